@@ -1,0 +1,1 @@
+"""TwELL ops: torch.library schemas, fake impls, autograd with the injected L1, device dispatch."""

@@ -1,0 +1,1 @@
+"""twell-compile: a torch.compile backend that runs ReLU FFNs sparse."""
