@@ -1,0 +1,47 @@
+"""Argument checks shared by the TwELL ops: clear errors that name the argument at fault."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_ffn_args(x: Tensor, wg: Optional[Tensor], wu: Tensor, wd: Tensor, bg: Optional[Tensor], bu: Optional[Tensor], bd: Optional[Tensor]) -> None:
+    """Raise ``ValueError`` unless the arguments describe one FFN in one dtype on one device.
+
+    Shapes follow ``nn.Linear``: ``x [..., D]``, ``wg``/``wu`` ``[H, D]``, ``wd`` ``[D, H]``,
+    ``bg``/``bu`` ``[H]``, ``bd`` ``[D]``.
+    """
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"twell: x has dtype {x.dtype}; supported: float16, bfloat16, float32 (float64 on CPU)")
+    if x.dim() < 1:
+        raise ValueError("twell: x must have at least one dimension (the feature dimension D)")
+    if wu.dim() != 2 or wd.dim() != 2:
+        raise ValueError(f"twell: wu and wd must be 2-D nn.Linear weights, got {tuple(wu.shape)} and {tuple(wd.shape)}")
+    hidden, d_model = wu.shape
+    expected = {
+        "wg": (wg, (hidden, d_model)),
+        "wd": (wd, (d_model, hidden)),
+        "bg": (bg, (hidden,)),
+        "bu": (bu, (hidden,)),
+        "bd": (bd, (d_model,)),
+    }
+    if x.shape[-1] != d_model:
+        raise ValueError(f"twell: x has {x.shape[-1]} features but wu is [H={hidden}, D={d_model}]")
+    for name, (t, shape) in expected.items():
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"twell: {name} has shape {tuple(t.shape)}, expected {shape} for D={d_model}, H={hidden}")
+        if t.dtype != x.dtype:
+            raise ValueError(f"twell: {name} has dtype {t.dtype} but x has {x.dtype}; cast them to one dtype")
+        if t.device != x.device:
+            raise ValueError(f"twell: {name} is on {t.device} but x is on {x.device}")
+    if wu.dtype != x.dtype or wu.device != x.device:
+        raise ValueError(f"twell: wu is {wu.dtype} on {wu.device} but x is {x.dtype} on {x.device}")
+    if bg is not None and wg is None:
+        raise ValueError("twell: bg (gate bias) given without wg (gate weight)")

@@ -1,0 +1,85 @@
+"""``twell::ffn_bwd``: the backward of a TwELL FFN, with the L1 gradient injected.
+
+Computes the gradients of ``loss + (l1_coeff / n_layers) · L1`` for one layer, where
+``L1 = (1/T) Σ_t Σ_j |h[t, j]|`` over the T tokens (DESIGN.md section 4): ``dh`` at the active
+(token, neuron) pairs gets ``l1_coeff / (n_layers · T) · sign(h)`` added before it is
+back-propagated. Every product runs on the active pairs only; dense rows run densely.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import impl
+
+_EMPTY = (0,)
+
+
+@torch.library.custom_op("twell::ffn_bwd", mutates_args=(), tags=(torch.Tag.needs_contiguous_strides,))
+def ffn_bwd(
+    dout: Tensor,
+    x: Tensor,
+    wg: Optional[Tensor],
+    wu: Tensor,
+    wd: Tensor,
+    bg: Optional[Tensor],
+    bu: Optional[Tensor],
+    bd: Optional[Tensor],
+    idx: Tensor,
+    val: Tensor,
+    count: Tensor,
+    up_val: Tensor,
+    l1_coeff: Tensor,
+    n_layers: int,
+    layer: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(dx, dwg, dwu, dwd, dbg, dbu, dbd)`` of one TwELL FFN.
+
+    Args:
+        dout: ``[..., D]`` gradient of the FFN output.
+        x, wg, wu, wd, bg, bu, bd: the forward's inputs (``nn.Linear`` layouts).
+        idx, val, count, up_val: the TwELL tensors ``twell::ffn_train`` returned.
+        l1_coeff: 0-d tensor on x's device; 0 turns the L1 term off exactly.
+        n_layers: rewritten layers the L1 mean runs over (≥ 1).
+        layer: telemetry id of the layer.
+
+    Returns:
+        One gradient per tensor input; an absent weight or bias gets an empty ``[0]`` tensor
+        (ops cannot return None).
+    """
+    d_model = x.shape[-1]
+    hidden = wu.shape[0]
+    packed = impl.TwellPacked(
+        idx=idx.reshape(-1, *idx.shape[-2:]), val=val.reshape(-1, *val.shape[-2:]), count=count.reshape(-1, count.shape[-1])
+    )
+    up2d = up_val.reshape(-1, *up_val.shape[-2:]) if up_val.numel() else up_val
+    grads = impl.backward(
+        impl.flatten_tokens(dout), impl.flatten_tokens(x), wg, wu, wd, bg, bu, bd, packed, up2d, l1_coeff / n_layers
+    )
+
+    def out(t):
+        return x.new_empty(_EMPTY) if t is None else t.contiguous()
+
+    return (grads.dx.reshape(x.shape), out(grads.dwg), out(grads.dwu), out(grads.dwd), out(grads.dbg), out(grads.dbu), out(grads.dbd))
+
+
+@ffn_bwd.register_fake
+def _(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer):
+    def like(t):
+        return x.new_empty(_EMPTY) if t is None else torch.empty_like(t)
+
+    return (torch.empty_like(x), like(wg), torch.empty_like(wu), torch.empty_like(wd), like(bg), like(bu), like(bd))
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("twell: double backward through twell::ffn_bwd is not supported")
+
+
+def _setup_nothing(ctx, inputs, output):
+    pass
+
+
+ffn_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothing)

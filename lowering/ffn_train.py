@@ -1,0 +1,110 @@
+"""``twell::ffn_train``: the training forward of a TwELL FFN, and its autograd.
+
+It returns the FFN output plus the compact TwELL tensors its backward needs, so nothing dense of
+size ``[tokens, H]`` is saved. Its autograd calls ``twell::ffn_bwd``, which injects the gradient
+of ``l1_coeff · L1`` (DESIGN.md section 4). ``l1_coeff`` is a 0-d tensor, so changing its value
+(schedules, warm-up) never recompiles.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import impl
+from .checks import check_ffn_args
+from .ffn_bwd import ffn_bwd
+
+
+@torch.library.custom_op("twell::ffn_train", mutates_args=(), tags=(torch.Tag.needs_contiguous_strides,))
+def ffn_train(
+    x: Tensor,
+    wg: Optional[Tensor],
+    wu: Tensor,
+    wd: Tensor,
+    bg: Optional[Tensor],
+    bu: Optional[Tensor],
+    bd: Optional[Tensor],
+    l1_coeff: Tensor,
+    n_layers: int,
+    layer: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Forward of a gated (``wg`` given) or plain ReLU FFN for training.
+
+    Args:
+        x: ``[..., D]`` tokens; float16, bfloat16, float32 (float64 on CPU).
+        wg, wu: ``[H, D]`` gate and up weights (``nn.Linear`` layout); ``wg=None`` is a plain FFN.
+        wd: ``[D, H]`` down weight.
+        bg, bu, bd: optional biases ``[H]``, ``[H]``, ``[D]``.
+        l1_coeff: 0-d tensor on x's device, the L1 coefficient (read only in backward).
+        n_layers: number of rewritten layers the L1 is averaged over.
+        layer: telemetry id (``twell_compile.stats()``).
+
+    Returns:
+        ``(out, idx, val, count, up_val)``: ``out [..., D]`` and the TwELL buffers of the gate
+        (``[..., n_tiles, slots]``; ``count [..., n_tiles]``) with the up values at its slots
+        (gated) or an empty ``up_val`` (plain). Only ``out`` is differentiable.
+
+    Example::
+
+        >>> x, wg, wu, wd = torch.randn(8, 16), torch.randn(64, 16), torch.randn(64, 16), torch.randn(16, 64)
+        >>> out = torch.ops.twell.ffn_train(x, wg, wu, wd, None, None, None, torch.tensor(2e-5), 1, 0)[0]
+    """
+    check_ffn_args(x, wg, wu, wd, bg, bu, bd)
+    lead = x.shape[:-1]
+    res = impl.forward(impl.flatten_tokens(x), wg, wu, wd, bg, bu, bd, layer=layer, training=True)
+    shapes = impl.saved_shapes(lead, wu.shape[0], wg is not None)
+    return (
+        res.out.reshape(x.shape),
+        res.packed.idx.reshape(shapes["idx"]),
+        res.packed.val.reshape(shapes["val"]),
+        res.packed.count.reshape(shapes["count"]),
+        res.up_val.reshape(shapes["up_val"]),
+    )
+
+
+@ffn_train.register_fake
+def _(x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
+    shapes = impl.saved_shapes(x.shape[:-1], wu.shape[0], wg is not None)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (
+        torch.empty_like(x),
+        x.new_empty(shapes["idx"], dtype=torch.int32),
+        x.new_empty(shapes["val"], dtype=acc),
+        x.new_empty(shapes["count"], dtype=torch.int32),
+        x.new_empty(shapes["up_val"], dtype=acc),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer = inputs
+    _, idx, val, count, up_val = output
+    ctx.mark_non_differentiable(idx, val, count, up_val)
+    ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff)
+    ctx.n_layers, ctx.layer = n_layers, layer
+
+
+def _backward(ctx, dout, _didx, _dval, _dcount, _dup):
+    x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff = ctx.saved_tensors
+    grads = ffn_bwd(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, ctx.n_layers, ctx.layer)
+    return (*present_grads(grads, (wg, bg, bu, bd)), None, None, None)
+
+
+def present_grads(grads, optional_inputs):
+    """Map ``ffn_bwd``'s empty placeholders back to ``None`` for absent inputs."""
+    dx, dwg, dwu, dwd, dbg, dbu, dbd = grads
+    wg, bg, bu, bd = optional_inputs
+    return (
+        dx,
+        None if wg is None else dwg,
+        dwu,
+        dwd,
+        None if bg is None else dbg,
+        None if bu is None else dbu,
+        None if bd is None else dbd,
+    )
+
+
+ffn_train.register_autograd(_backward, setup_context=_setup_context)

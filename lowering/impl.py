@@ -1,0 +1,65 @@
+"""Device dispatch for the TwELL ops: the CPU reference, or the Triton kernels on CUDA.
+
+Both paths compute the same function as the dense FFN for every input (DESIGN.md section 5):
+overflowed rows and rows the finiteness guard flags are computed densely. This module also records
+each call's counters (``telemetry``) without synchronising the host.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from twell_compile.kernels import reference
+from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellPacked
+
+from . import telemetry
+
+
+def flatten_tokens(x: Tensor) -> Tensor:
+    """``[..., D]`` → contiguous ``[M, D]``; M = product of the leading dims (the tokens)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def forward(x2d: Tensor, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool) -> reference.ForwardResult:
+    """One FFN forward on ``[M, D]`` tokens; records ``layer``'s counters."""
+    if x2d.is_cuda:
+        from . import cuda_impl
+
+        res, sparse = cuda_impl.forward(x2d, wg, wu, wd, bg, bu, bd, layer=layer, training=training)
+    else:
+        res, sparse = reference.ffn_forward_ref(x2d, wg, wu, wd, bg, bu, bd), True
+    telemetry.record(
+        layer,
+        tokens=x2d.shape[0],
+        active=res.packed.count.sum(),
+        dense_rows=res.dense_rows.sum(),
+        l1=res.l1 if training else None,
+        sparse=sparse,
+    )
+    return res
+
+
+def backward(dout2d: Tensor, x2d: Tensor, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val: Tensor, l1_scale: Tensor) -> reference.Grads:
+    """Gradients of ``loss + l1_scale · L1`` (DESIGN.md section 4) on ``[M, D]`` tokens."""
+    if x2d.is_cuda:
+        from . import cuda_impl
+
+        return cuda_impl.backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale)
+    return reference.ffn_backward_ref(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale)
+
+
+def saved_shapes(lead, hidden, gated: bool):
+    """Shapes of the TwELL tensors the training op saves, from input shapes only (fake impls)."""
+    n_tiles = (hidden + DEFAULT_LAYOUT.tile_n - 1) // DEFAULT_LAYOUT.tile_n
+    slots = DEFAULT_LAYOUT.slots
+    packed = (*lead, n_tiles, slots)
+    return {
+        "idx": packed,
+        "val": packed,
+        "count": (*lead, n_tiles),
+        "up_val": packed if gated else (0,),
+    }
+

@@ -1,0 +1,68 @@
+"""Per-layer counters the ops write on the device, read by ``twell_compile.stats()`` off the hot path.
+
+Every op call overwrites its layer's small float64 buffer in place with device-side tensor ops: no
+host synchronisation, and CUDA-graph capture simply replays the writes. Reading the buffers
+(``snapshot``) synchronises, which is why only ``stats()`` does it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+# Buffer layout, one float64 per field.
+FIELDS = ("calls", "tokens", "active", "dense_rows", "l1", "sparse")
+_CALLS, _TOKENS, _ACTIVE, _DENSE_ROWS, _L1, _SPARSE = range(len(FIELDS))
+
+_lock = threading.Lock()
+_buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _buffer(layer: int, device: torch.device) -> torch.Tensor:
+    key = (layer, str(device))
+    buf = _buffers.get(key)
+    if buf is None:
+        with _lock:
+            buf = _buffers.setdefault(key, torch.zeros(len(FIELDS), dtype=torch.float64, device=device))
+    return buf
+
+
+def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tensor, l1: Optional[torch.Tensor], sparse: bool) -> torch.Tensor:
+    """Store one call's counters for ``layer``; all tensor arguments are device scalars.
+
+    Returns the layer's buffer (the CUDA dispatch policy copies it to the host asynchronously).
+    """
+    buf = _buffer(layer, active.device)
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=active.device)
+    values = torch.stack(
+        [
+            buf[_CALLS] + 1,
+            torch.full_like(nan, float(tokens)),
+            active.to(torch.float64),
+            dense_rows.to(torch.float64),
+            nan if l1 is None else l1.detach().to(torch.float64),
+            torch.full_like(nan, 1.0 if sparse else 0.0),
+        ]
+    )
+    buf.copy_(values)
+    return buf
+
+
+def snapshot() -> dict[int, dict[str, float]]:
+    """Read every layer's last counters (synchronises with the device)."""
+    out: dict[int, dict[str, float]] = {}
+    with _lock:
+        items = list(_buffers.items())
+    for (layer, _device), buf in sorted(items, key=lambda kv: kv[0]):
+        values = dict(zip(FIELDS, buf.tolist()))
+        prev = out.get(layer)
+        if prev is None or values["calls"] > prev["calls"]:
+            out[layer] = values
+    return out
+
+
+def reset() -> None:
+    with _lock:
+        _buffers.clear()
