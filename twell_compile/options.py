@@ -1,0 +1,85 @@
+"""Options of the twell backend, validated in one place for ``options={...}`` and ``TWELL_*``."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True)
+class TwellOptions:
+    """What the backend does with the FFNs it finds.
+
+    Args:
+        l1_coeff: coefficient of the L1 penalty on the hidden activations (float ≥ 0). The
+            backward adds ``l1_coeff · ∂L1/∂θ`` (DESIGN.md section 4); 0 turns it off exactly.
+            Change it later without recompiling through ``twell_compile.set_l1_coeff``.
+        inner: compiler for the rewritten graph. Values: ``"inductor"`` (default),
+            ``"aot_eager"`` (AOTAutograd, no code generation), ``"eager"`` (rewrite only).
+        strict: raise ``TwellRewriteError`` instead of leaving an FFN-like pattern unrewritten.
+    """
+
+    l1_coeff: float = 2e-5
+    inner: str = "inductor"
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        _check_l1(self.l1_coeff, "options['l1_coeff']")
+        if self.inner not in INNER_COMPILERS:
+            raise ValueError(f"twell: options['inner'] = {self.inner!r} is not accepted; use one of {', '.join(INNER_COMPILERS)}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"twell: options['strict'] = {self.strict!r} is not accepted; use True or False")
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | None) -> "TwellOptions":
+        """Options from ``torch.compile(..., options={...})``; unknown keys are errors."""
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"twell: unknown option {unknown[0]!r}; accepted options: {', '.join(sorted(known))}")
+        return cls(**options)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "TwellOptions":
+        """Options from ``TWELL_L1``, ``TWELL_INNER`` and ``TWELL_STRICT`` (unset: default)."""
+        env = os.environ if environ is None else environ
+        kwargs: dict[str, Any] = {}
+        if "TWELL_L1" in env:
+            raw = env["TWELL_L1"]
+            try:
+                kwargs["l1_coeff"] = float(raw)
+            except ValueError:
+                raise ValueError(f"twell: TWELL_L1={raw!r} is not a number; expected a float >= 0, e.g. TWELL_L1=2e-5") from None
+            _check_l1(kwargs["l1_coeff"], "TWELL_L1")
+        if "TWELL_INNER" in env:
+            inner = env["TWELL_INNER"].strip().lower()
+            if inner not in INNER_COMPILERS:
+                raise ValueError(f"twell: TWELL_INNER={env['TWELL_INNER']!r} is not accepted; use one of {', '.join(INNER_COMPILERS)}")
+            kwargs["inner"] = inner
+        if "TWELL_STRICT" in env:
+            kwargs["strict"] = env_flag("TWELL_STRICT", env)
+        return cls(**kwargs)
+
+
+def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """A boolean environment variable; anything but a clear yes/no is an error naming it."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"twell: {name}={raw!r} is not accepted; use 1/0 (or true/false, on/off, yes/no)")
+
+
+def _check_l1(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"twell: {where} = {value!r} is not accepted; expected a finite float >= 0 (default 2e-5)")

@@ -1,0 +1,137 @@
+"""Replace matched FFNs in an FX graph by TwELL op calls.
+
+One orchestrating function, ``rewrite_ffns``, runs in this order:
+
+1. match (``match_ffn.find_ffns``): read-only, so a failure leaves the graph untouched;
+2. strict check: with ``strict=True`` any skipped pattern raises before the graph is edited;
+3. rewrite each match: casts first (autocast), then the op call, then the uses are moved;
+4. dead-node removal, lint and recompile; the report is recorded last, once the graph is valid.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+from torch import fx
+
+from . import reporting
+from .l1 import coefficient_tensor
+from .match_ffn import FfnMatch, _val, find_ffns, where
+from .options import TwellOptions
+from .reporting import Rewritten, Skipped
+
+# Importing lowering registers torch.ops.twell.*.
+from . import lowering  # noqa: F401  (registers the ops)
+
+
+class TwellRewriteError(RuntimeError):
+    """Raised with ``strict=True`` when an FFN-like pattern cannot be rewritten."""
+
+
+def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = "") -> tuple[list[Rewritten], list[Skipped]]:
+    """Rewrite every FFN of ``gm`` in place; returns what was rewritten and what was skipped."""
+    matches, skipped = find_ffns(gm)
+    skipped = [Skipped(s.where, s.reason, s.detail, graph_name) for s in skipped]
+    if options.strict and skipped:
+        reporting.record([], skipped)
+        details = "\n".join(f"  - {s}" for s in skipped)
+        raise TwellRewriteError(f"twell (strict=True): {len(skipped)} FFN-like pattern(s) cannot be rewritten:\n{details}")
+    fake_mode = _fake_mode(gm)
+    rewritten = []
+    n_layers = len(matches)  # the L1 is a mean over the layers rewritten in this graph
+    for m in matches:
+        rewritten.append(_rewrite_one(gm, m, options, n_layers, fake_mode, graph_name))
+    if matches:
+        gm.graph.lint()
+        gm.recompile()
+    reporting.record(rewritten, skipped)
+    return rewritten, skipped
+
+
+def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, n_layers: int, fake_mode, graph_name: str) -> Rewritten:
+    graph = gm.graph
+    layer = reporting.new_layer_id()
+    dtype = m.compute_dtype
+    with graph.inserting_before(m.down.out):
+
+        def cast(node: Optional[fx.Node]) -> Optional[fx.Node]:
+            # Under autocast the projections ran in `dtype`; make that explicit for the op.
+            if node is None or _val(node).dtype == dtype:
+                return node
+            return _with_meta(graph.call_method("to", (node, dtype)), fake_mode)
+
+        args = (
+            cast(m.x),
+            cast(m.gate.weight) if m.gate else None,
+            cast(m.up.weight),
+            cast(m.down.weight),
+            cast(m.gate.bias) if m.gate else None,
+            cast(m.up.bias),
+            cast(m.down.bias),
+        )
+        if m.training:
+            coeff = _coefficient_node(gm, _val(m.x).device, options.l1_coeff, fake_mode)
+            call = _with_meta(graph.call_function(torch.ops.twell.ffn_train.default, (*args, coeff, n_layers, layer)), fake_mode)
+            out = _with_meta(graph.call_function(operator.getitem, (call, 0)), fake_mode)
+            op_name = "twell::ffn_train"
+        else:
+            out = _with_meta(graph.call_function(torch.ops.twell.ffn.default, (*args, layer)), fake_mode)
+            op_name = "twell::ffn"
+    out.meta.setdefault("nn_module_stack", m.down.out.meta.get("nn_module_stack", {}))
+    out.meta.setdefault("stack_trace", m.down.out.meta.get("stack_trace"))
+    loc = where(m.down.out)
+    m.down.out.replace_all_uses_with(out)
+    for node in m.nodes_to_remove():
+        if not node.users:
+            graph.erase_node(node)
+    biases = [name for name, b in (("gate", m.gate.bias if m.gate else None), ("up", m.up.bias), ("down", m.down.bias)) if b is not None]
+    return Rewritten(layer, loc, m.kind, ",".join(biases) or "none", str(dtype).replace("torch.", ""), op_name, graph_name)
+
+
+def _coefficient_node(gm: fx.GraphModule, device: torch.device, value: float, fake_mode) -> fx.Node:
+    """A ``get_attr`` of this graph's live L1 coefficient buffer on ``device`` (one per device)."""
+    name = "_twell_l1_coeff_" + str(device).replace(":", "_")
+    if not hasattr(gm, name):
+        # A registered buffer is lifted to a graph input by AOTAutograd: passed by reference, never folded.
+        gm.register_buffer(name, coefficient_tensor(value, device))
+        sources = getattr(gm, "_param_name_to_source", None)
+        if isinstance(sources, dict):  # Dynamo graphs: AOTAutograd asserts every lifted buffer has a source
+            from torch._dynamo.source import ConstantSource
+
+            sources[name] = ConstantSource(f"{name}_{id(gm)}")
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target == name:
+            return node
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        node = gm.graph.get_attr(name)
+    if fake_mode is not None:
+        node.meta["example_value"] = fake_mode.from_tensor(getattr(gm, name))
+    return node
+
+
+def _fake_mode(gm: fx.GraphModule):
+    vals = [_val(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        return torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    except Exception:  # noqa: BLE001 - meta is a convenience for later passes, not a requirement
+        return None
+
+
+def _with_meta(node: fx.Node, fake_mode) -> fx.Node:
+    """Fill ``example_value`` by running the node on its inputs' fake values (shape arithmetic only)."""
+    if fake_mode is None:
+        return node
+    try:
+        args = fx.node.map_arg(node.args, _val)
+        with fake_mode:
+            if node.op == "call_method":
+                value = getattr(args[0], node.target)(*args[1:])
+            else:
+                value = node.target(*args)
+        node.meta["example_value"] = value
+    except Exception:  # noqa: BLE001 - see above
+        pass
+    return node
