@@ -2,34 +2,48 @@
 
 Use ``torch.compile(model, backend="twell")`` (no import needed once installed), or ``TWELL=1`` in
 front of an unmodified script, or ``twell_compile.patch(model)`` for scripts that never compile.
+
+The public names load lazily: torch imports ``twell_compile.autoload`` at the end of every
+``import torch``, and that must stay cheap when ``TWELL`` is not set.
 """
 
-from .l1 import set_l1_coeff
-from .options import TwellOptions
-from .reporting import LayerStats, Report, Rewritten, Skipped, SkipReason, Stats, report, reset, stats
+from __future__ import annotations
 
+import importlib
 
-def patch(model, **options):
-    """Rewrite the FFN modules of ``model`` eagerly (no compile). See ``twell_compile.patch_ffn``."""
-    from .patch_ffn import patch as _patch
+__version__ = "0.1.0"
 
-    return _patch(model, **options)
-
-
-__all__ = [
+_PUBLIC = {
     # configuration
-    "TwellOptions",
-    "set_l1_coeff",
+    "TwellOptions": "options",
+    "set_l1_coeff": "l1",
     # top level UX
-    "patch",
-    "report",
-    "reset",
-    "stats",
+    "patch": "patch_ffn",
+    "report": "reporting",
+    "reset": "reporting",
+    "stats": "reporting",
     # types
-    "LayerStats",
-    "Report",
-    "Rewritten",
-    "SkipReason",
-    "Skipped",
-    "Stats",
-]
+    "LayerStats": "reporting",
+    "PatchResult": "patch_ffn",
+    "Report": "reporting",
+    "Rewritten": "reporting",
+    "SkipReason": "reporting",
+    "Skipped": "reporting",
+    "Stats": "reporting",
+    "TwellRewriteError": "rewrite_ffn",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'twell_compile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -14,6 +14,7 @@ from torch import fx
 
 from .cache_salt import salted_config_patches
 from .options import TwellOptions
+from .pre_grad import REWRITTEN_META
 from .rewrite_ffn import rewrite_ffns
 
 _graph_ids = itertools.count()
@@ -27,6 +28,7 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[st
     """
     opts = TwellOptions.from_dict(options)
     rewrite_ffns(gm, opts, graph_name=f"graph{next(_graph_ids)}")
+    gm.meta[REWRITTEN_META] = True  # the TWELL=1 pre-grad pass must not rewrite it again
     return compile_inner(gm, example_inputs, opts.inner, mode)
 
 

@@ -21,6 +21,7 @@ class SkipReason(enum.Enum):
     UNSUPPORTED_DTYPE = "the dtype is not float16, bfloat16 or float32"
     MIXED_DTYPES = "the inputs and weights have different dtypes outside autocast"
     MIXED_DEVICES = "the inputs and weights are on different devices"
+    NOT_WHOLE_MODULE = "the module's forward does more than the FFN, so patch() cannot replace it (torch.compile can)"
     INTERNAL_ERROR = "the matcher failed unexpectedly; the graph was left unchanged"
 
     @property

@@ -1,0 +1,249 @@
+"""Gate GEMM with a TwELL-packing epilogue: ``packed = TwELL(x Wᵀ + b)``.
+
+Math. For ``x [M, D]`` and ``W [H, D]`` (``nn.Linear`` layout), ``pre = x Wᵀ + b`` is ``[M, H]``.
+Each program computes one ``BLOCK_M × 128`` tile of ``pre`` in an fp32 accumulator. The 128
+columns are exactly one TwELL tile (``format.TILE_N``), so the epilogue packs that tile's rows
+without talking to any other program:
+
+* ``active = not (pre <= 0)`` (NaN is active: ``relu(NaN)`` is NaN), columns ``>= H`` inactive;
+* ``rank = cumsum(active) - 1`` along the tile row, ``count = sum(active)``;
+* the entries with ``rank < slots`` are scattered to slot ``rank`` (first actives, increasing
+  column order); ``count`` is stored uncapped, so ``count > slots`` marks an overflow.
+
+The dense ``pre`` never reaches global memory. This is ``reference.gate_pack_ref`` (fp32
+arithmetic; only the summation order differs).
+
+Bytes, for 16-bit inputs (``e`` = element size, ``a`` = stored actives per row):
+
+* read: ``x`` and ``W``, ``M·D·e + H·D·e`` at best; each x row-block is re-read once per column
+  tile and each W tile once per row-block, mostly from L2 thanks to the grouped tile order;
+* written: ``M·n_tiles·4`` (count) + ``M·a·8`` (idx + val), against ``M·H·e`` for a dense gate:
+  at D=2048, H=5632, 28 actives per token that is 312 B instead of 11264 B per token.
+
+Loads go through TMA tensor descriptors on sm90+ (``use_tma``), or plain pointers elsewhere and
+in the interpreter by default. fp32 inputs use IEEE fp32 products (``input_precision="ieee"``),
+as dense PyTorch does with TF32 off; fp16/bf16 use tensor cores with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed
+
+# Triton's interpreter (CPU tests) computes bf16 tl.dot wrongly and cannot autotune over several
+# configs (DESIGN.md section 9); it must be set before this module is imported.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_GROUP_M = 8  # row-blocks per group of the tile order: a group's W tiles stay in L2
+
+
+def _set_tma_blocks(nargs) -> None:
+    """Autotune pre-hook: the descriptors' block shapes follow the config's tile sizes."""
+    if isinstance(nargs["x"], TensorDescriptor):
+        nargs["x"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["w"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def _cuda_configs():
+    # (BLOCK_M, BLOCK_K, warps, stages). BLOCK_N is fixed by the format (one TwELL tile). The
+    # floor in DESIGN.md section 10 (plain Triton GEMM + ReLU, H200, bf16, D=2048, H=5632,
+    # M=16384) was best at 256x128x64, 8 warps, 3 stages; the others cover small M and fp32.
+    shapes = [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (64, 32, 4, 3)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s, pre_hook=_set_tma_blocks)
+        for bm, bk, w, s in shapes
+    ]
+
+
+def _configs():
+    if INTERPRET:  # one config: multi-config autotuning needs a GPU driver
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1, pre_hook=_set_tma_blocks)]
+    return _cuda_configs()
+
+
+@triton.autotune(configs=_configs(), key=["D", "H"])
+@triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
+@triton.jit
+def _gate_pack_kernel(
+    # pointers (x and w are TensorDescriptors when USE_TMA)
+    x, w, b_ptr, idx_ptr, val_ptr, count_ptr,
+    # dimensions
+    M, D, H, N_TILES,
+    # strides (elements)
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """Pack ``pre = x @ wᵀ + b`` into TwELL, one ``BLOCK_M × BLOCK_N`` tile per program.
+
+    x: ``[M, D]``; w: ``[H, D]``; b: ``[H]`` (if HAS_BIAS). Writes ``count [M, N_TILES]`` int32
+    (uncapped), and for the first ``min(count, SLOTS)`` actives of each tile row, in increasing
+    column order, ``idx [M, N_TILES, SLOTS]`` int32 (global column) and ``val`` fp32 (``pre``).
+    Other slots are left untouched. ``BLOCK_N`` must equal the layout's ``tile_n``.
+    """
+    # Grouped order: GROUP_M row-blocks sweep all column tiles together, for L2 reuse of W.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pids_in_group = GROUP_M * N_TILES
+    first_m = (pid // pids_in_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_in_group) % group_m
+    pid_n = (pid % pids_in_group) // group_m
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    if USE_TMA:
+        # Out-of-bounds rows, columns and K are zero-filled by the TMA unit.
+        for k0 in range(0, D, BLOCK_K):
+            a = x.load([pid_m * BLOCK_M, k0])
+            bt = w.load([pid_n * BLOCK_N, k0])
+            if INTERPRET:
+                a = a.to(tl.float32)
+                bt = bt.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, bt.T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, bt.T, acc)
+    else:
+        # Clamp rows/columns instead of masking them: their results are never stored.
+        rows_ld = tl.minimum(rows, M - 1).to(tl.int64)
+        cols_ld = tl.minimum(cols, H - 1).to(tl.int64)
+        a_ptrs = x + rows_ld[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        b_ptrs = w + cols_ld[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+        for k0 in range(0, D, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                bt = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < D - k0, other=0.0)
+                bt = tl.load(b_ptrs, mask=offs_k[:, None] < D - k0, other=0.0)
+            if INTERPRET:
+                a = a.to(tl.float32)
+                bt = bt.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, bt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, bt, acc)
+            a_ptrs += BLOCK_K * stride_xk
+            b_ptrs += BLOCK_K * stride_wk
+
+    col_ok = cols < H
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+
+    # Epilogue: rank the actives of each tile row and scatter the first SLOTS of them.
+    le_zero = acc <= 0.0
+    active = (le_zero == 0) & col_ok[None, :]  # not (pre <= 0): NaN counts as active
+    ones = active.to(tl.int32)
+    rank = tl.cumsum(ones, axis=1) - 1
+    count = tl.sum(ones, axis=1)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    slot_off = rows64[:, None] * (N_TILES * SLOTS) + pid_n * SLOTS + rank
+    keep = active & (rank < SLOTS) & row_ok[:, None]
+    col_2d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + cols[None, :]
+    tl.store(idx_ptr + slot_off, col_2d, mask=keep)
+    tl.store(val_ptr + slot_off, acc, mask=keep)
+    tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a unit last stride, 16-byte aligned rows and base, and a non-empty shape."""
+    e = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * e) % 16 == 0 and t.data_ptr() % 16 == 0 and t.shape[1] > 0
+
+
+def _check_tensor(name: str, t, shape, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def gate_pack(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: Optional[torch.Tensor] = None,
+    *,
+    layout: TwellLayout = DEFAULT_LAYOUT,
+    use_tma: Optional[bool] = None,
+) -> TwellPacked:
+    """``TwELL(x wᵀ + b)`` computed by one GEMM whose epilogue packs; the dense result is never stored.
+
+    Args:
+        x: ``[M, D]`` float16/bfloat16/float32 activations.
+        w: ``[H, D]`` weight in ``nn.Linear`` layout, same dtype and device as ``x``.
+        b: optional ``[H]`` bias (any float dtype; added in fp32).
+        layout: TwELL geometry; ``tile_n`` must be in 16..256 (it is the GEMM's BLOCK_N).
+        use_tma: load through TMA descriptors. ``None``: on sm90+ GPUs when the strides allow it.
+
+    Returns:
+        A ``TwellPacked`` (``format.py``) with ``[M, n_tiles, slots]`` int32 ``idx`` and fp32
+        ``val``, and ``[M, n_tiles]`` int32 ``count``. Unused slots hold unspecified values.
+
+    Example::
+
+        packed = gate_pack(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+    """
+    # 1. Check shapes, dtypes and devices.
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, D], got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError(f"w must be a 2-D tensor [H, D], got {getattr(w, 'shape', type(w).__name__)}")
+    m, d = x.shape
+    h = w.shape[0]
+    _check_tensor("x", x, (m, d), _DTYPES)
+    _check_tensor("w", w, (h, d), (x.dtype,))
+    if b is not None:
+        _check_tensor("b", b, (h,), (torch.float16, torch.bfloat16, torch.float32))
+    for name, t in (("w", w), ("b", b)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if not INTERPRET and x.device.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {x.device}")
+    if not 16 <= layout.tile_n <= 256:
+        raise ValueError(f"layout.tile_n must be in 16..256 for gate_pack, got {layout.tile_n}")
+
+    # 2. Allocate the TwELL buffers (fixed capacity from shapes).
+    packed = empty_packed(m, h, x.dtype, x.device, layout)
+    n_tiles = layout.n_tiles(h)
+    if m == 0 or n_tiles == 0:
+        return packed
+
+    # 3. Launch.
+    if use_tma is None:
+        use_tma = (
+            not INTERPRET and torch.cuda.get_device_capability(x.device)[0] >= 9 and _tma_ok(x) and _tma_ok(w)
+        )
+    elif use_tma and not (_tma_ok(x) and _tma_ok(w)):
+        raise ValueError("use_tma=True needs x and w with unit last stride and 16-byte aligned rows")
+    if use_tma:
+        # Block shapes are placeholders; the autotune pre-hook sets them per config.
+        xa = TensorDescriptor.from_tensor(x, [16, 16])
+        wa = TensorDescriptor.from_tensor(w, [16, 16])
+    else:
+        xa, wa = x, w
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
+    _gate_pack_kernel[grid](
+        xa, wa, b if b is not None else packed.val, packed.idx, packed.val, packed.count,
+        m, d, h, n_tiles,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        HAS_BIAS=b is not None, USE_TMA=bool(use_tma), IEEE=x.dtype == torch.float32, INTERPRET=INTERPRET,
+        SLOTS=layout.slots, BLOCK_N=layout.tile_n, GROUP_M=_GROUP_M,
+    )
+    return packed

@@ -1,0 +1,119 @@
+"""``TWELL=1``: switch the rewrite on for scripts that are not modified (DESIGN.md section 8).
+
+``activate_from_env`` is called by the ``torch.backends`` autoload hook at the end of
+``import torch``. It reads the ``TWELL_*`` options (an invalid value stops the run with a message
+naming the variable) and installs three routes, so every way a script runs its model is covered:
+
+1. Eager patch: a global module pre-hook patches the FFN modules of the first model called
+   (``patch_ffn.patch``), then removes itself. This covers scripts that never compile, DDP (one
+   op per FFN, so DDPOptimizer's bucket splits cannot cut an FFN) and compiled models whose FFNs
+   are modules (the patched op is captured as is).
+2. Inductor: the same graph rewrite as Inductor's ``pre_grad_custom_pass``, for FFNs written
+   inline in a larger forward. Any compile that uses Inductor gets it (default ``torch.compile``,
+   ``backend="inductor"``, HF ``torch_compile=True``, accelerate's INDUCTOR, Lightning), so it does
+   not depend on the backend name, which accelerate would reject.
+3. On torch builds that have ``torch.compiler.set_default_backend``, a bare ``torch.compile``
+   uses ``backend="twell"`` itself.
+
+Routes 2 and 3 are installed lazily, at the first ``torch.compile`` call, so ``import torch``
+never imports Inductor.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from typing import Optional
+
+import torch
+
+from .options import TwellOptions
+
+_lock = threading.Lock()
+_options: Optional[TwellOptions] = None
+_hook_handle = None
+_compile_routes_installed = False
+
+
+def activate_from_env() -> None:
+    """Read ``TWELL_*`` and install the routes; an invalid value exits with a clear message."""
+    try:
+        options = TwellOptions.from_env()
+    except ValueError as exc:
+        sys.stderr.write(f"{exc}\n")
+        raise SystemExit(2) from None
+    install(options)
+
+
+def install(options: TwellOptions) -> None:
+    """Install the eager-patch hook and the lazy compile routes (idempotent)."""
+    global _options, _hook_handle
+    with _lock:
+        if _options is not None:
+            return
+        _options = options
+        _hook_handle = torch.nn.modules.module.register_module_forward_pre_hook(_patch_on_first_call)
+        torch.compile = _compile_wrapper(torch.compile)
+
+
+def _patch_on_first_call(module, args):
+    if not torch.compiler.is_compiling():
+        _patch_now(module)
+    return None
+
+
+def _patch_now(module) -> None:
+    from .patch_ffn import patch
+
+    result = patch(module, l1_coeff=_options.l1_coeff, strict=_options.strict)
+    if result.rewritten:
+        _remove_hook()  # global hooks slow every module call; the model is patched now
+
+
+def _remove_hook() -> None:
+    global _hook_handle
+    if _hook_handle is not None:
+        _hook_handle.remove()
+        _hook_handle = None
+
+
+def _compile_wrapper(compile_fn):
+    if getattr(compile_fn, "_twell_wrapped", False):
+        return compile_fn
+
+    @functools.wraps(compile_fn)
+    def compile(*args, **kwargs):  # forwards everything untouched: kwargs differ across torch versions
+        install_compile_routes()
+        if args and isinstance(args[0], torch.nn.Module):
+            _patch_now(args[0])  # before compiling, so DDP graph splits cannot cut an FFN
+            _remove_hook()  # torch warns about global hooks on compiled modules; compile covers the rest
+        return compile_fn(*args, **kwargs)
+
+    compile._twell_wrapped = True
+    return compile
+
+
+def install_compile_routes() -> None:
+    """Route 2 (Inductor pre-grad pass) and route 3 (default backend), once."""
+    global _compile_routes_installed
+    with _lock:
+        if _compile_routes_installed:
+            return
+        _compile_routes_installed = True
+    from torch._inductor import config
+
+    from .pre_grad import TwellPreGradPass
+
+    existing = config.pre_grad_custom_pass
+    if isinstance(existing, (list, tuple)):
+        config.pre_grad_custom_pass = [*existing, TwellPreGradPass(_options)]
+    else:
+        config.pre_grad_custom_pass = TwellPreGradPass(_options, inner=existing)
+    if hasattr(config, "pre_grad_pass_timing"):
+        # torch >= 2.13 runs uuid-carrying pre-grad passes "late", after the parameters are lifted;
+        # the rewrite registers a buffer (the L1 coefficient), so it must run before that.
+        config.pre_grad_pass_timing = "early"
+    set_default = getattr(torch.compiler, "set_default_backend", None)
+    if set_default is not None:
+        set_default("twell")
