@@ -129,19 +129,22 @@ def _sparse_ffn_kernel(
             if sparse_row:
                 x_row = tl.load(x_ptr + t64 * stride_xm + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+                # The token's whole TwELL row in one load (no dependent load per chunk), each stored
+                # pair numbered by its position in the compact list of the row's pairs.
                 incl = tl.cumsum(stored, axis=0)
-                excl = incl - stored
                 total = tl.sum(stored, axis=0)
-                # Compact enumeration of the pairs: pair k lives in the tile whose inclusive prefix
-                # first exceeds k, at slot k - (exclusive prefix of that tile).
+                in_row = slots[None, :] < stored[:, None]  # [NT_P2, SLOTS_P2]
+                off2d = tiles[:, None] * SLOTS + slots[None, :]
+                pos = tl.reshape(tl.where(in_row, (incl - stored)[:, None] + slots[None, :], -1), (NT_P2 * SLOTS_P2,))
+                off = tl.reshape(off2d, (NT_P2 * SLOTS_P2,))
+                idx_row = tl.reshape(tl.load(idx_ptr + slot0 + off2d, mask=in_row, other=0), (NT_P2 * SLOTS_P2,))
+                val_row = tl.reshape(tl.load(val_ptr + slot0 + off2d, mask=in_row, other=0.0), (NT_P2 * SLOTS_P2,))
                 for k0 in range(0, total, CH):
                     k = k0 + offs_c
                     k_ok = k < total
-                    tk = tl.sum((incl[None, :] <= k[:, None]).to(tl.int32), axis=1)
-                    ek = tl.sum(tl.where(tiles[None, :] == tk[:, None], excl[None, :], 0), axis=1)
-                    slot = slot0 + tk * SLOTS + (k - ek)
-                    j = tl.load(idx_ptr + slot, mask=k_ok, other=0).to(tl.int64)
-                    g = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
+                    hit = pos[None, :] == k[:, None]  # [CH, NT_P2 * SLOTS_P2], one hit per valid k
+                    j = tl.sum(tl.where(hit, idx_row[None, :], 0), axis=1).to(tl.int64)
+                    g = tl.sum(tl.where(hit, val_row[None, :], 0.0), axis=1)
                     act = tl.where(g <= 0.0, 0.0, g)  # relu that keeps NaN, as torch.relu does
                     w_mask = k_ok[:, None] & d_ok[None, :]
                     if GATED:
@@ -150,6 +153,7 @@ def _sparse_ffn_kernel(
                         if HAS_BU:
                             up += tl.load(bu_ptr + j, mask=k_ok, other=0.0).to(tl.float32)
                         if STORE_UP:
+                            slot = slot0 + tl.sum(tl.where(hit, off[None, :], 0), axis=1)
                             tl.store(up_ptr + slot, up, mask=k_ok)
                         hv = act * up
                     else:
@@ -201,8 +205,10 @@ def _dot(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit

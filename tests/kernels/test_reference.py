@@ -69,7 +69,7 @@ def forward(ffn: FFN, layout: TwellLayout = DEFAULT_LAYOUT):
 
 def backward(ffn: FFN, dout: torch.Tensor, l1_scale: float, layout: TwellLayout = DEFAULT_LAYOUT):
     fwd = forward(ffn, layout)
-    grads = ffn_backward_ref(dout, *ffn.args(), fwd.packed, fwd.up_val, torch.tensor(l1_scale))
+    grads = ffn_backward_ref(dout, *ffn.args(), fwd.packed, fwd.up_val, torch.tensor(l1_scale, dtype=F64))
     return fwd, grads
 
 

@@ -1,0 +1,241 @@
+"""``twell bench``: TwELL against dense, measured side by side in one process (DESIGN.md section 10).
+
+Setup, shared by every provider: a gated bf16 FFN (default D=2048, H=5632, M=16384 tokens) whose
+density of active gate units is controlled by a constant feature ``x[:, 0] = 1`` and a gate weight
+column set to minus the normal quantile of the target density (per neuron in the skewed variant).
+Inputs are random, never zeros.
+
+Providers: dense eager (cuBLAS through PyTorch), dense ``torch.compile`` (Inductor), and TwELL
+(``torch.ops.twell.ffn`` for inference; ``ffn_train`` forward + backward with the L1 term for
+training). Times are medians over CUDA-event-timed repetitions after warm-up; speedups are dense
+eager time ÷ TwELL time, from the same run. Each point also reports the relative error against a
+float64 reference and, for training, the peak memory of one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_DENSITIES = (0.003, 0.005, 0.01, 0.02, 0.05, 0.2)
+
+
+@dataclass
+class Row:
+    mode: str  # "inference" or "training"
+    m: int
+    d: int
+    h: int
+    variant: str  # "uniform" or "skewed"
+    target_density: float
+    measured_density: float
+    active_per_token: float
+    dense_eager_ms: float
+    dense_compiled_ms: float
+    twell_ms: float
+    speedup_vs_eager: float
+    speedup_vs_compiled: float
+    rel_err_twell: float
+    rel_err_dense: float
+    peak_mem_dense_mb: float = float("nan")
+    peak_mem_twell_mb: float = float("nan")
+
+
+def make_problem(m: int, d: int, h: int, density: float, *, skewed: bool, dtype=torch.bfloat16, device="cuda", seed: int = 0):
+    """x, wg, wu, wd whose gate is active with probability ``density`` (per neuron if skewed)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(m, d, generator=gen)
+    x[:, 0] = 1.0
+    scale = 1.0 / math.sqrt(d)
+    wg = torch.randn(h, d, generator=gen) * scale
+    wu = torch.randn(h, d, generator=gen) * scale
+    wd = torch.randn(d, h, generator=gen) * (1.0 / math.sqrt(h))
+    sigma = math.sqrt(d - 1) * scale  # std of the gate pre-activation over the random features
+    if skewed:
+        # Per-neuron densities, log-normal around the target: a few hot neurons, many cold ones.
+        p = (torch.randn(h, generator=gen) * 1.0).exp()
+        p = (p / p.mean() * density).clamp(1e-6, 0.999)
+    else:
+        p = torch.full((h,), density)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    wg[:, 0] = -normal.icdf(1 - p) * sigma
+    return [t.to(device=device, dtype=dtype) for t in (x, wg, wu, wd)]
+
+
+def dense_ffn(x, wg, wu, wd):
+    return F.linear(torch.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def dense_train_step(x, wg, wu, wd, dout, l1_coeff):
+    """Dense forward + backward of ``out·dout + l1_coeff · (1/T) Σ|h|``."""
+    h = torch.relu(F.linear(x, wg)) * F.linear(x, wu)
+    out = F.linear(h, wd)
+    loss = (out * dout).sum() + l1_coeff * h.abs().sum() / x.shape[0]
+    loss.backward()
+
+
+def twell_train_step(x, wg, wu, wd, dout, coeff):
+    out = torch.ops.twell.ffn_train(x, wg, wu, wd, None, None, None, coeff, 1, 10_000)[0]
+    out.backward(dout)
+
+
+def median_ms(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30) -> float:
+    """Median of CUDA-event timings of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def peak_mb(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, l1_coeff=2e-5) -> Row:
+    x, wg, wu, wd = make_problem(m, d, h, density, skewed=skewed)
+    with torch.no_grad():
+        gate = F.linear(x, wg)
+        measured = (gate > 0).float().mean().item()
+        del gate
+        ref = dense_ffn(x.double(), wg.double(), wu.double(), wd.double())
+        dense_out = dense_ffn(x, wg, wu, wd)
+        twell_out = torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000)
+    err_twell, err_dense = rel_error(twell_out, ref), rel_error(dense_out, ref)
+    del ref, dense_out, twell_out
+    compiled = compiled_cache.setdefault(("train" if train else "infer"), torch.compile(dense_train_step if train else dense_ffn))
+    if not train:
+        with torch.no_grad():
+            t_eager = median_ms(lambda: dense_ffn(x, wg, wu, wd), reps=reps)
+            t_comp = median_ms(lambda: compiled(x, wg, wu, wd), reps=reps)
+            t_twell = median_ms(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000), reps=reps)
+        mem_dense = mem_twell = float("nan")
+    else:
+        params = [t.detach().requires_grad_() for t in (x, wg, wu, wd)]
+        dout = torch.randn_like(x)
+        coeff = torch.tensor(l1_coeff, device=x.device)
+        t_eager = median_ms(lambda: dense_train_step(*params, dout, l1_coeff), reps=reps)
+        t_comp = median_ms(lambda: compiled(*params, dout, l1_coeff), reps=reps)
+        t_twell = median_ms(lambda: twell_train_step(*params, dout, coeff), reps=reps)
+        mem_dense = peak_mb(lambda: dense_train_step(*params, dout, l1_coeff))
+        mem_twell = peak_mb(lambda: twell_train_step(*params, dout, coeff))
+    return Row(
+        "training" if train else "inference", m, d, h, "skewed" if skewed else "uniform", density, measured, measured * h,
+        t_eager, t_comp, t_twell, t_eager / t_twell, t_comp / t_twell, err_twell, err_dense, mem_dense, mem_twell,
+    )
+
+
+def print_table(rows: list[Row], file=sys.stdout) -> None:
+    header = f"{'mode':<9} {'M':>6} {'variant':<7} {'density':>7} {'act/tok':>7} {'eager ms':>8} {'compiled':>8} {'twell ms':>8} {'x eager':>7} {'x comp':>7} {'err twell':>9} {'err dense':>9} {'mem d/t MB':>13}"
+    print(header, file=file)
+    print("-" * len(header), file=file)
+    for r in rows:
+        mem = "" if math.isnan(r.peak_mem_dense_mb) else f"{r.peak_mem_dense_mb:.0f}/{r.peak_mem_twell_mb:.0f}"
+        print(
+            f"{r.mode:<9} {r.m:>6} {r.variant:<7} {r.measured_density:>7.2%} {r.active_per_token:>7.1f} {r.dense_eager_ms:>8.3f} {r.dense_compiled_ms:>8.3f} "
+            f"{r.twell_ms:>8.3f} {r.speedup_vs_eager:>6.2f}x {r.speedup_vs_compiled:>6.2f}x {r.rel_err_twell:>9.2e} {r.rel_err_dense:>9.2e} {mem:>13}",
+            file=file,
+        )
+
+
+def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / "bench.csv"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    paths = [csv_path]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("twell bench: matplotlib is not installed, so no plot (pip install matplotlib)", file=sys.stderr)
+        return paths
+    groups = sorted({(r.mode, r.m, r.variant) for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, m, variant in groups:
+        pts = sorted((r.measured_density, r.speedup_vs_eager) for r in rows if (r.mode, r.m, r.variant) == (mode, m, variant))
+        ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=f"{mode}, M={m}, {variant}")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("density of h (% of H active per token)")
+    ax.set_ylabel("speedup vs dense eager (×)")
+    ax.set_title(f"TwELL FFN on {torch.cuda.get_device_name()}, bf16, D={rows[0].d}, H={rows[0].h}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    png = out_dir / "speedup_vs_density.png"
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    paths.append(png)
+    return paths
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[16384], help="token counts (default 16384)")
+    parser.add_argument("--d", type=int, default=2048, help="model dimension D (default 2048)")
+    parser.add_argument("--h", type=int, default=5632, help="hidden dimension H (default 5632)")
+    parser.add_argument("--densities", type=float, nargs="+", default=list(DEFAULT_DENSITIES), help="target densities of h (fractions)")
+    parser.add_argument("--modes", nargs="+", choices=["inference", "training"], default=["inference", "training"])
+    parser.add_argument("--skewed", action="store_true", help="also run per-neuron skewed densities")
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per point (median reported)")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv and the PNG plot")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("twell bench: needs a CUDA GPU (none found); the CPU path is a reference, not a benchmark", file=sys.stderr)
+        return 2
+    import twell_compile.lowering  # noqa: F401  (registers torch.ops.twell)
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    compiled_cache: dict = {}
+    rows: list[Row] = []
+    variants = [False, True] if args.skewed else [False]
+    points = [(mode, m, sk, p) for mode in args.modes for m in args.m for sk in variants for p in args.densities]
+    try:
+        from tqdm import tqdm
+
+        points_iter = tqdm(points, desc="twell bench", file=sys.stderr)
+    except ImportError:
+        points_iter = points
+    t0 = time.time()
+    for mode, m, skewed, density in points_iter:
+        rows.append(bench_point(m, args.d, args.h, density, skewed=skewed, train=(mode == "training"), compiled_cache=compiled_cache, reps=args.reps))
+        torch.cuda.empty_cache()
+    print(f"\ntwell bench on {torch.cuda.get_device_name()} (torch {torch.__version__}), gated FFN bf16, D={args.d}, H={args.h}; {time.time() - t0:.0f} s")
+    print_table(rows)
+    for path in write_outputs(rows, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
