@@ -23,8 +23,12 @@ the row of ``x`` (or of ``dout`` in backward) is non-finite, or, for a gated FFN
 Cauchy-Schwarz bound ``|x_t · Wu_j + bu_j| <= ||x_t|| max_j ||Wu_j|| + max |bu|`` does not rule out
 an overflow to Inf in the input dtype (in practice: float16 with huge activations).
 
-Arithmetic runs in float32 (float64 for float64 inputs) and rounds once, at the output, so the
-sparse path is at least as accurate as dense PyTorch in the same dtype.
+Arithmetic runs in ``compute_dtype``: float32 for float16/bfloat16 inputs, float64 for float32
+and float64 inputs, and rounds once, at the output, so the sparse path is at least as accurate
+as dense PyTorch in the same dtype. Where dense PyTorch rounds an intermediate (gate, up, h, dh,
+dgate, dup) to the input dtype, ``overflow_like`` reproduces only what that rounding can do to
+the value's finiteness: a value beyond the dtype's range becomes ±Inf, exactly as dense would
+make it, so Inf and NaN patterns match too (for example 0 · Inf = NaN in a guarded float16 row).
 """
 
 from __future__ import annotations
@@ -35,6 +39,26 @@ import torch
 from torch import Tensor
 
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, accumulation_dtype, is_active
+
+# Smallest magnitude that rounds to Inf (round to nearest even): the dtype's max plus half an ulp.
+OVERFLOW_THRESHOLD = {
+    torch.float16: 65520.0,
+    torch.bfloat16: 2.0**127 * (2 - 2.0**-8),
+    torch.float32: 2.0**127 * (2 - 2.0**-24),
+}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the reference computes in: wider than the input, so it rounds once, at the end."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def overflow_like(v: Tensor, dtype: torch.dtype) -> Tensor:
+    """``v`` with the values that rounding to ``dtype`` would overflow replaced by ±Inf."""
+    threshold = OVERFLOW_THRESHOLD.get(dtype)
+    if threshold is None or v.dtype == dtype:
+        return v
+    return torch.where(v.abs() >= threshold, v * float("inf"), v)
 
 # Work on (token, neuron) pairs in chunks of this many pair×feature elements, to bound memory.
 _CHUNK_ELEMS = 1 << 22
@@ -97,9 +121,13 @@ def unpack_ref(packed: TwellPacked, hidden: int) -> Tensor:
 
 
 def gate_pack_ref(x: Tensor, w: Tensor, b: Optional[Tensor] = None, layout: TwellLayout = DEFAULT_LAYOUT) -> TwellPacked:
-    """``pack(x wᵀ + b)``: what the gate GEMM with the TwELL epilogue produces."""
-    acc = accumulation_dtype(x.dtype)
-    return pack_ref(_linear(x.to(acc), w.to(acc), _acc(b, acc)), layout)
+    """``pack(x wᵀ + b)``: what the gate GEMM with the TwELL epilogue produces.
+
+    Values are stored in ``accumulation_dtype`` (float32; float64 for float64 inputs).
+    """
+    comp = compute_dtype(x.dtype)
+    pre = overflow_like(_linear(x.to(comp), w.to(comp), _acc(b, comp)), x.dtype)
+    return pack_ref(pre.to(accumulation_dtype(x.dtype)), layout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,12 +216,12 @@ class ForwardResult(NamedTuple):
     packed: TwellPacked  # the packed gate (gated) or up (plain) pre-activation
     up_val: Tensor  # [M, n_tiles, slots] up values at the stored slots (gated); [0] for plain
     dense_rows: Tensor  # bool [M]
-    l1: Tensor  # 0-d: (1/M) Σ |h| over every row, in the accumulation dtype
+    l1: Tensor  # 0-d: (1/M) Σ |h| over every row, in accumulation_dtype (float32; float64 for float64)
 
 
 def ffn_forward_ref(x, wg, wu, wd, bg=None, bu=None, bd=None, layout: TwellLayout = DEFAULT_LAYOUT) -> ForwardResult:
     """The TwELL forward: pack, then up and down on the stored pairs only; dense rows densely."""
-    acc = accumulation_dtype(x.dtype)
+    acc = compute_dtype(x.dtype)
     gated = wg is not None
     x32, wu32, wd32, bu32 = x.to(acc), wu.to(acc), wd.to(acc), _acc(bu, acc)
     packed = gate_pack_ref(x, wg, bg, layout) if gated else gate_pack_ref(x, wu, bu, layout)
@@ -202,32 +230,41 @@ def ffn_forward_ref(x, wg, wu, wd, bg=None, bu=None, bd=None, layout: TwellLayou
     out = x32.new_zeros(x.shape[0], wd.shape[0])
     up_val = packed.val.new_zeros(packed.val.shape if gated else (0,))
     pairs = stored_pairs(packed, ~dense_rows)
+    pre = pairs.pre.to(acc)
     if gated:
         up = pair_dot(x32, pairs.token, wu32, pairs.neuron)  # up only where the gate is active
         if bu32 is not None:
             up = up + bu32[pairs.neuron]
-        up_val[pairs.where] = up
-        h = torch.relu(pairs.pre) * up
+        up = overflow_like(up, x.dtype)
+        up_val[pairs.where] = up.to(up_val.dtype)
+        h = overflow_like(torch.relu(pre) * up, x.dtype)
     else:
-        h = torch.relu(pairs.pre)
+        h = torch.relu(pre)
     scatter_outer(out, pairs.token, h, wd32.T, pairs.neuron)  # out[t] += h · Wd[:, j]
     l1 = h.abs().sum()
 
     rows = dense_rows.nonzero().squeeze(1)
     if rows.numel():
-        h_rows = _dense_hidden(x32[rows], wg, wu32, bg, bu32, acc)
+        h_rows = _dense_hidden(x32[rows], wg, wu32, bg, bu32, acc, x.dtype)
         out[rows] = h_rows @ wd32.T
         l1 = l1 + h_rows.abs().sum()
     if bd is not None:
         out += bd.to(acc)
-    return ForwardResult(out.to(x.dtype), packed, up_val, dense_rows, l1 / max(1, x.shape[0]))
+    return ForwardResult(out.to(x.dtype), packed, up_val, dense_rows, (l1 / max(1, x.shape[0])).to(accumulation_dtype(x.dtype)))
 
 
-def _dense_hidden(x_rows, wg, wu32, bg, bu32, acc):
-    up = _linear(x_rows, wu32, bu32)
+def _dense_hidden(x_rows, wg, wu32, bg, bu32, acc, dtype):
+    """h for whole rows, with dense PyTorch's overflow points (``overflow_like``)."""
+    up = overflow_like(_linear(x_rows, wu32, bu32), dtype)
     if wg is None:
         return torch.relu(up)
-    return torch.relu(_linear(x_rows, wg.to(acc), _acc(bg, acc))) * up
+    gate = overflow_like(_linear(x_rows, wg.to(acc), _acc(bg, acc)), dtype)
+    return overflow_like(torch.relu(gate) * up, dtype)
+
+
+def _dh(sampled: Tensor, h: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``dh = dout · Wd + scale · sign(h)``, each term overflowing where dense autograd's would."""
+    return overflow_like(overflow_like(sampled, dtype) + scale * torch.sign(h), dtype)
 
 
 class Grads(NamedTuple):
@@ -245,7 +282,8 @@ def ffn_backward_ref(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_va
 
     ``l1_scale`` is the 0-d coefficient for this layer: ``l1_coeff / n_layers``.
     """
-    acc = accumulation_dtype(x.dtype)
+    acc = compute_dtype(x.dtype)
+    dtype = x.dtype
     gated = wg is not None
     m = x.shape[0]
     x32, wu32, wd32, g32 = x.to(acc), wu.to(acc), wd.to(acc), dout.to(acc)
@@ -262,22 +300,23 @@ def ffn_backward_ref(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_va
 
     # Sparse rows: every product runs on the stored pairs only.
     p = stored_pairs(packed, ~dense_rows)
+    pre = p.pre.to(acc)
     if gated:
-        act, up = torch.relu(p.pre), up_val[p.where]
-        h = act * up
+        act, up = torch.relu(pre), up_val[p.where].to(acc)
+        h = overflow_like(act * up, dtype)
     else:
         act = up = None
-        h = torch.relu(p.pre)
-    dh = pair_dot(g32, p.token, wd32.T, p.neuron) + scale * torch.sign(h)  # sampled dout · Wd
+        h = torch.relu(pre)
+    dh = _dh(pair_dot(g32, p.token, wd32.T, p.neuron), h, scale, dtype)  # sampled dout · Wd
     if gated:
-        d_gate = torch.where(p.pre <= 0, 0.0, dh * up)  # relu'(g): grad passes unless g <= 0
-        d_up = dh * act
+        d_gate = torch.where(pre <= 0, 0.0, overflow_like(dh * up, dtype))  # relu'(g): passes unless g <= 0
+        d_up = overflow_like(dh * act, dtype)
         scatter_outer(dx, p.token, d_gate, wg32, p.neuron)
         scatter_outer(dwg, p.neuron, d_gate, x32, p.token)
         if dbg is not None:
             dbg.index_add_(0, p.neuron, d_gate)
     else:
-        d_up = torch.where(p.pre <= 0, 0.0, dh)
+        d_up = torch.where(pre <= 0, 0.0, dh)
     scatter_outer(dx, p.token, d_up, wu32, p.neuron)
     scatter_outer(dwu, p.neuron, d_up, x32, p.token)
     scatter_outer(dwd_t, p.neuron, h, g32, p.token)
@@ -288,14 +327,14 @@ def ffn_backward_ref(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_va
     rows = dense_rows.nonzero().squeeze(1)
     if rows.numel():
         xr, gr = x32[rows], g32[rows]
-        up_r = _linear(xr, wu32, _acc(bu, acc))
-        pre_r = _linear(xr, wg32, _acc(bg, acc)) if gated else up_r
+        up_r = overflow_like(_linear(xr, wu32, _acc(bu, acc)), dtype)
+        pre_r = overflow_like(_linear(xr, wg32, _acc(bg, acc)), dtype) if gated else up_r
         act_r = torch.relu(pre_r)
-        h_r = act_r * up_r if gated else act_r
-        dh_r = gr @ wd32 + scale * torch.sign(h_r)
+        h_r = overflow_like(act_r * up_r, dtype) if gated else act_r
+        dh_r = _dh(gr @ wd32, h_r, scale, dtype)
         if gated:
-            d_gate_r = torch.where(pre_r <= 0, 0.0, dh_r * up_r)
-            d_up_r = dh_r * act_r
+            d_gate_r = torch.where(pre_r <= 0, 0.0, overflow_like(dh_r * up_r, dtype))
+            d_up_r = overflow_like(dh_r * act_r, dtype)
             dx[rows] += d_gate_r @ wg32
             dwg += d_gate_r.T @ xr
             if dbg is not None:

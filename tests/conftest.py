@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 #              HYPOTHESIS_PROFILE=thorough python -m pytest tests/kernels -m "not gpu"
 settings.register_profile(
     "ci",
-    max_examples=12,
+    max_examples=25,
     deadline=None,
     derandomize=True,
     print_blob=True,

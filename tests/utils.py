@@ -326,3 +326,40 @@ def dense_l1(ffn: FFN) -> Tensor:
     up = torch.nn.functional.linear(x, wu, bu)
     hid = torch.relu(up) if wg is None else torch.relu(torch.nn.functional.linear(x, wg, bg)) * up
     return hid.abs().sum() / max(1, x.shape[0])
+
+
+def make_ffn_with_pattern(
+    active: Tensor,
+    *,
+    gated: bool = True,
+    bias: bool = True,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> FFN:
+    """An FFN whose controlled pre-activation (gate, or up for a plain FFN) is active exactly on
+    the ``True`` entries of ``active [M, H]``: +1 there, -1 elsewhere, exact in every dtype.
+
+    ``x = [1, onehot(token)]`` (``D = M + 1``); neuron j's controlled weight is -1 on the constant
+    feature (or its bias is -1) and +2 on the features of the tokens where it is active.
+    """
+    m, h = active.shape
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    d = m + 1
+    x = torch.zeros(m, d, dtype=f64)
+    x[:, 0] = 1.0
+    x[torch.arange(m), torch.arange(m) + 1] = 1.0
+    w_ctrl = torch.zeros(h, d, dtype=f64)
+    w_ctrl[:, 1:] = 2.0 * active.T.to(f64)
+    b_ctrl = None
+    if bias:
+        b_ctrl = torch.full((h,), -1.0, dtype=f64)
+    else:
+        w_ctrl[:, 0] = -1.0
+    wd = torch.randn(d, h, generator=gen, dtype=f64) / math.sqrt(h)
+    bd = 0.1 * torch.randn(d, generator=gen, dtype=f64) if bias else None
+    if gated:
+        wu = torch.randn(h, d, generator=gen, dtype=f64)
+        bu = 0.1 * torch.randn(h, generator=gen, dtype=f64) if bias else None
+        return FFN(x, w_ctrl, wu, wd, b_ctrl, bu, bd).to(dtype)
+    return FFN(x, None, w_ctrl, wd, None, b_ctrl, bd).to(dtype)

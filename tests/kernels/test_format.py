@@ -17,7 +17,6 @@ import dataclasses
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 
 from tests.strategies import ALL_DTYPES, pre_activations
 from tests.utils import assert_same_nonfinite
@@ -34,6 +33,16 @@ from twell_compile.kernels.format import (
 from twell_compile.kernels.reference import pack_ref, unpack_ref
 
 NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """These tensors are tiny: intra-op threads only add overhead, and on a loaded 2-core CI box
+    oversubscription made index_add_ ~50x slower. Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def assert_identical(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
