@@ -57,8 +57,10 @@ ACCURACY_SLACK = 1.05
 
 
 def tiny(dtype: torch.dtype) -> float:
-    """A tiny absolute epsilon for the accuracy bar: 1/1000 of the dtype's unit roundoff."""
-    return 1e-3 * torch.finfo(dtype).eps / 2
+    """Slack for the accuracy bar: the dtype's unit roundoff. Rounding the exact result once costs
+    up to that much, and on outputs of a few elements a dense result can be luckier than the
+    correctly rounded one; beyond one unit roundoff the sparse path must match dense or beat it."""
+    return torch.finfo(dtype).eps / 2
 
 
 L1_SCALES = st.sampled_from([0.0, 0.0, 1e-3, 0.5, 3.0])
