@@ -45,3 +45,20 @@ def check_ffn_args(x: Tensor, wg: Optional[Tensor], wu: Tensor, wd: Tensor, bg: 
         raise ValueError(f"twell: wu is {wu.dtype} on {wu.device} but x is {x.dtype} on {x.device}")
     if bg is not None and wg is None:
         raise ValueError("twell: bg (gate bias) given without wg (gate weight)")
+
+
+def check_l1_args(x: Tensor, l1_coeff: Tensor, n_layers: int) -> None:
+    """The L1 arguments of the training ops: a 0-d tensor on x's device, and n_layers ≥ 1."""
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"twell: n_layers = {n_layers!r}; it counts the rewritten layers the L1 is averaged over and must be >= 1")
+    if l1_coeff.dim() != 0:
+        raise ValueError(f"twell: l1_coeff must be a 0-d tensor, got shape {tuple(l1_coeff.shape)}")
+    if l1_coeff.device != x.device:
+        raise ValueError(f"twell: l1_coeff is on {l1_coeff.device} but x is on {x.device}")
+
+
+def check_dout(dout: Tensor, x: Tensor) -> None:
+    if tuple(dout.shape) != tuple(x.shape):
+        raise ValueError(f"twell: dout has shape {tuple(dout.shape)}, expected x's shape {tuple(x.shape)}")
+    if dout.device != x.device:
+        raise ValueError(f"twell: dout is on {dout.device} but x is on {x.device}")

@@ -1,17 +1,178 @@
-"""CUDA implementations of the TwELL ops.
+"""CUDA implementations of the TwELL ops: Triton kernels, with a per-layer dense/sparse dispatch.
 
-Until the Triton kernels land, the CUDA path runs the device-agnostic PyTorch reference, which is
-exact but synchronises the host (it gathers pairs with ``nonzero``).
+Each layer picks its path from its **previous** call's counters, copied to pinned host memory
+asynchronously and read only once the copy's event has completed (``event.query()``), so the hot
+path never synchronises the host:
+
+* **sparse**: ``gate_pack`` (the gate GEMM packs TwELL in its epilogue), then ``sparse_ffn`` (up
+  and down for the active neurons only) and, in training, ``sparse_ffn_backward``;
+* **dense**: cuBLAS through PyTorch, exactly the dense FFN. A layer starts dense (early in
+  training a ReLU FFN is ~50% dense) and turns sparse once its measured density drops below
+  ``SPARSE_MAX_DENSITY``.
+
+Both paths compute the same function for every input (DESIGN.md section 5): the choice costs or
+saves time, never correctness. Under CUDA-graph capture the path chosen before capture is the one
+recorded and replayed (host-side decisions cannot run inside a graph replay).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
 from twell_compile.kernels import reference
+from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellPacked, is_active
+
+from . import telemetry
+
+# Above this fraction of active gate units the sparse kernels stop paying (twell bench, H200,
+# bf16, D=2048, H=5632: see docs/benchmarks.md).
+SPARSE_MAX_DENSITY = 0.03
+# Above this fraction of rows computed densely (overflow, guard) the dense path is faster.
+SPARSE_MAX_DENSE_ROWS = 0.02
+# The training L1 value for stats() costs a pass over the TwELL buffers: measure it every N calls.
+L1_EVERY = 8
+
+
+class _LayerPolicy:
+    """Per (layer, device): the path to take, from the last completed counters copy."""
+
+    def __init__(self) -> None:
+        self.host = torch.zeros(len(telemetry.FIELDS), dtype=torch.float64, pin_memory=True)
+        self.event: Optional[torch.cuda.Event] = None
+        self.sparse = False
+        self.calls = 0
+
+    def choose(self) -> bool:
+        if self.event is not None and not torch.cuda.is_current_stream_capturing() and self.event.query():
+            v = dict(zip(telemetry.FIELDS, self.host.tolist()))  # completed copy: no sync
+            tokens = max(1.0, v["tokens"])
+            density = v["active"] / tokens / max(1.0, self._hidden)
+            self.sparse = density < SPARSE_MAX_DENSITY and v["dense_rows"] / tokens < SPARSE_MAX_DENSE_ROWS
+            self.event = None
+        return self.sparse
+
+    def after(self, buf: torch.Tensor, hidden: int) -> None:
+        self.calls += 1
+        self._hidden = hidden
+        if self.event is None and not torch.cuda.is_current_stream_capturing():
+            self.host.copy_(buf, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    _hidden = 1
+
+
+_policies: dict[tuple[int, int], _LayerPolicy] = {}
+_lock = threading.Lock()
+
+
+def _policy(layer: int, device: torch.device) -> _LayerPolicy:
+    key = (layer, device.index or 0)
+    p = _policies.get(key)
+    if p is None:
+        with _lock:
+            p = _policies.setdefault(key, _LayerPolicy())
+    return p
+
+
+# The backward must know which path its forward took. Exactness never depends on this registry:
+# a dense forward marks every tile as overflowed, which the sparse backward computes densely.
+_DENSE_FORWARDS: "OrderedDict[int, bool]" = OrderedDict()
+_DENSE_FORWARDS_MAX = 4096
+
+
+def _remember(count: torch.Tensor, dense: bool) -> None:
+    _DENSE_FORWARDS[count.data_ptr()] = dense
+    _DENSE_FORWARDS.move_to_end(count.data_ptr())
+    while len(_DENSE_FORWARDS) > _DENSE_FORWARDS_MAX:
+        _DENSE_FORWARDS.popitem(last=False)
 
 
 def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
-    return reference.ffn_forward_ref(x2d, wg, wu, wd, bg, bu, bd), True
+    """Returns ``(ForwardResult, sparse: bool)`` and records the layer's counters."""
+    policy = _policy(layer, x2d.device)
+    sparse = policy.choose() and x2d.dtype != torch.float64
+    want_l1 = training and policy.calls % L1_EVERY == 0
+    run = _sparse_forward if sparse else _dense_forward
+    res, active = run(x2d, wg, wu, wd, bg, bu, bd, want_l1)
+    if training:
+        _remember(res.packed.count, not sparse)
+    buf = telemetry.record(layer, tokens=x2d.shape[0], active=active, dense_rows=res.dense_rows.sum(), l1=res.l1, sparse=sparse)
+    policy.after(buf, wu.shape[0])
+    return res, sparse
 
 
-def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale):
-    return reference.ffn_backward_ref(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale)
+def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, want_l1: bool):
+    """The dense FFN in the input dtype (exactly what the rewrite replaced), plus the active count."""
+    up = F.linear(x2d, wu, bu)
+    pre = up if wg is None else F.linear(x2d, wg, bg)
+    h = torch.relu(pre) if wg is None else torch.relu(pre) * up
+    out = F.linear(h, wd, bd)
+    m, hidden = pre.shape
+    n_tiles, slots = DEFAULT_LAYOUT.n_tiles(hidden), DEFAULT_LAYOUT.slots
+    dev = x2d.device
+    # TwELL buffers of the right shapes with every tile marked overflowed: a backward that does
+    # not know this forward was dense still computes every row densely, hence exactly.
+    packed = TwellPacked(
+        idx=torch.zeros(m, n_tiles, slots, dtype=torch.int32, device=dev),
+        val=torch.zeros(m, n_tiles, slots, dtype=torch.float32, device=dev),
+        count=torch.full((m, n_tiles), slots + 1, dtype=torch.int32, device=dev),
+    )
+    up_val = torch.zeros(packed.val.shape if wg is not None else (0,), dtype=torch.float32, device=dev)
+    l1 = h.float().abs().sum() / max(1, m) if want_l1 else None
+    dense_rows = torch.ones(m, dtype=torch.bool, device=dev)
+    return reference.ForwardResult(out, packed, up_val, dense_rows, l1), is_active(pre).sum()
+
+
+def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, want_l1: bool):
+    from twell_compile.kernels.gate_pack import gate_pack
+    from twell_compile.kernels.sparse_ffn import guard_rows, sparse_ffn
+
+    gated = wg is not None
+    packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
+    guard = guard_rows(x2d, wg, wu, wd, bg, bu, bd)
+    out, up_val = sparse_ffn(x2d, packed, wu, wd, bu, bd, dense_rows=guard, wg=wg, bg=bg, return_up=True)
+    dense_rows = packed.overflow_rows() | guard
+    l1 = None
+    if want_l1:
+        stored = packed.stored_mask() & ~dense_rows.view(-1, 1, 1)
+        h = torch.relu(packed.val) * up_val if gated else torch.relu(packed.val)
+        l1 = torch.where(stored, h.abs(), 0.0).sum() / max(1, x2d.shape[0])  # sparse rows only
+    return reference.ForwardResult(out, packed, up_val, dense_rows, l1), packed.count.sum()
+
+
+def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l1_scale):
+    """Gradients of ``loss + l1_scale · L1``, on the path the forward took."""
+    if _DENSE_FORWARDS.get(packed.count.data_ptr(), False) or x2d.dtype == torch.float64:
+        return _dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale)
+    from twell_compile.kernels.sparse_ffn_bwd import backward_dense_rows, sparse_ffn_backward
+
+    dense_rows = backward_dense_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed)
+    return sparse_ffn_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, dense_rows, l1_scale)
+
+
+def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale) -> reference.Grads:
+    """Dense autograd's formulas in the input dtype; gate and up are recomputed (not saved)."""
+    gated = wg is not None
+    up = F.linear(x, wu, bu)
+    pre = F.linear(x, wg, bg) if gated else up
+    act = torch.relu(pre)
+    h = act * up if gated else act
+    dh = dout @ wd + (l1_scale / max(1, x.shape[0]) * torch.sign(h)).to(x.dtype)
+    d_gate = torch.where(pre <= 0, 0.0, dh * up).to(x.dtype) if gated else None
+    d_up = dh * act if gated else torch.where(pre <= 0, 0.0, dh).to(x.dtype)
+    dx = d_up @ wu if not gated else d_gate @ wg + d_up @ wu
+    return reference.Grads(
+        dx=dx,
+        dwg=d_gate.T @ x if gated else None,
+        dwu=d_up.T @ x,
+        dwd=dout.T @ h,
+        dbg=d_gate.sum(0) if (gated and bg is not None) else None,
+        dbu=d_up.sum(0) if bu is not None else None,
+        dbd=dout.sum(0) if bd is not None else None,
+    )

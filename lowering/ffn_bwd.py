@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import impl
+from .checks import check_dout, check_ffn_args, check_l1_args
 
 _EMPTY = (0,)
 
@@ -50,12 +51,13 @@ def ffn_bwd(
         One gradient per tensor input; an absent weight or bias gets an empty ``[0]`` tensor
         (ops cannot return None).
     """
-    d_model = x.shape[-1]
-    hidden = wu.shape[0]
+    check_ffn_args(x, wg, wu, wd, bg, bu, bd)
+    check_l1_args(x, l1_coeff, n_layers)
+    check_dout(dout, x)
     packed = impl.TwellPacked(
         idx=idx.reshape(-1, *idx.shape[-2:]), val=val.reshape(-1, *val.shape[-2:]), count=count.reshape(-1, count.shape[-1])
     )
-    up2d = up_val.reshape(-1, *up_val.shape[-2:]) if up_val.numel() else up_val
+    up2d = up_val.reshape(-1, *up_val.shape[-2:]) if wg is not None else up_val  # plain: empty
     grads = impl.backward(
         impl.flatten_tokens(dout), impl.flatten_tokens(x), wg, wu, wd, bg, bu, bd, packed, up2d, l1_coeff / n_layers
     )

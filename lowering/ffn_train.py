@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import impl
-from .checks import check_ffn_args
+from .checks import check_ffn_args, check_l1_args
 from .ffn_bwd import ffn_bwd
 
 
@@ -53,6 +53,7 @@ def ffn_train(
         >>> out = torch.ops.twell.ffn_train(x, wg, wu, wd, None, None, None, torch.tensor(2e-5), 1, 0)[0]
     """
     check_ffn_args(x, wg, wu, wd, bg, bu, bd)
+    check_l1_args(x, l1_coeff, n_layers)
     lead = x.shape[:-1]
     res = impl.forward(impl.flatten_tokens(x), wg, wu, wd, bg, bu, bd, layer=layer, training=True)
     shapes = impl.saved_shapes(lead, wu.shape[0], wg is not None)

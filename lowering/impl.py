@@ -28,9 +28,8 @@ def forward(x2d: Tensor, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool) 
     if x2d.is_cuda:
         from . import cuda_impl
 
-        res, sparse = cuda_impl.forward(x2d, wg, wu, wd, bg, bu, bd, layer=layer, training=training)
-    else:
-        res, sparse = reference.ffn_forward_ref(x2d, wg, wu, wd, bg, bu, bd), True
+        return cuda_impl.forward(x2d, wg, wu, wd, bg, bu, bd, layer=layer, training=training)[0]
+    res, sparse = reference.ffn_forward_ref(x2d, wg, wu, wd, bg, bu, bd), True
     telemetry.record(
         layer,
         tokens=x2d.shape[0],

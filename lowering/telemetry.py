@@ -32,6 +32,8 @@ def _buffer(layer: int, device: torch.device) -> torch.Tensor:
 def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tensor, l1: Optional[torch.Tensor], sparse: bool) -> torch.Tensor:
     """Store one call's counters for ``layer``; all tensor arguments are device scalars.
 
+    ``l1=None`` (inference, or a training call that did not measure it) keeps the last value.
+
     Returns the layer's buffer (the CUDA dispatch policy copies it to the host asynchronously).
     """
     buf = _buffer(layer, active.device)
@@ -42,7 +44,7 @@ def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tens
             torch.full_like(nan, float(tokens)),
             active.to(torch.float64),
             dense_rows.to(torch.float64),
-            nan if l1 is None else l1.detach().to(torch.float64),
+            buf[_L1] if l1 is None else l1.detach().to(torch.float64),  # None: keep the last value
             torch.full_like(nan, 1.0 if sparse else 0.0),
         ]
     )
