@@ -7,6 +7,7 @@ each call's counters (``telemetry``) without synchronising the host.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -23,6 +24,20 @@ def flatten_tokens(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _no_autocast(fn):
+    """Run an op implementation with autocast off: the op's inputs already carry the dtype the
+    rewrite chose, and the reference's own matmuls must keep its wider compute dtype."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        x = args[1] if fn.__name__ == "backward" else args[0]
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_no_autocast
 def forward(x2d: Tensor, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool) -> reference.ForwardResult:
     """One FFN forward on ``[M, D]`` tokens; records ``layer``'s counters."""
     if x2d.is_cuda:
@@ -41,6 +56,7 @@ def forward(x2d: Tensor, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool) 
     return res
 
 
+@_no_autocast
 def backward(dout2d: Tensor, x2d: Tensor, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val: Tensor, l1_scale: Tensor) -> reference.Grads:
     """Gradients of ``loss + l1_scale · L1`` (DESIGN.md section 4) on ``[M, D]`` tokens."""
     if x2d.is_cuda:

@@ -25,7 +25,9 @@ def _buffer(layer: int, device: torch.device) -> torch.Tensor:
     buf = _buffers.get(key)
     if buf is None:
         with _lock:
-            buf = _buffers.setdefault(key, torch.zeros(len(FIELDS), dtype=torch.float64, device=device))
+            fresh = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
+            fresh[_L1] = float("nan")  # no training call yet
+            buf = _buffers.setdefault(key, fresh)
     return buf
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -57,18 +58,35 @@ def install(options: TwellOptions) -> None:
         torch.compile = _compile_wrapper(torch.compile)
 
 
+# Modules already examined (with their submodules): each root is patched once.
+_seen: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_roots_without_ffn = 0
+_MAX_ROOTS_WITHOUT_FFN = 16
+
+
+def active_options() -> Optional[TwellOptions]:
+    """The ``TWELL_*`` options if ``TWELL=1`` activated twell in this process, else None."""
+    return _options
+
+
 def _patch_on_first_call(module, args):
-    if not torch.compiler.is_compiling():
+    if module not in _seen and not torch.compiler.is_compiling():
         _patch_now(module)
     return None
 
 
 def _patch_now(module) -> None:
+    global _roots_without_ffn
     from .patch_ffn import patch
 
+    _seen.update(module.modules())
     result = patch(module, l1_coeff=_options.l1_coeff, strict=_options.strict)
     if result.rewritten:
         _remove_hook()  # global hooks slow every module call; the model is patched now
+    else:
+        _roots_without_ffn += 1
+        if _roots_without_ffn >= _MAX_ROOTS_WITHOUT_FFN:
+            _remove_hook()  # no FFN modules here; the compile route still covers inline FFNs
 
 
 def _remove_hook() -> None:

@@ -26,7 +26,14 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[st
     The FFNs are matched on the torch-level graph, before AOTAutograd, so their autograd is the
     TwELL ops' own (with the L1 injection); the inner compiler then compiles the whole graph.
     """
-    opts = TwellOptions.from_dict(options)
+    if options is None:
+        # A bare torch.compile under TWELL=1 reaches here through set_default_backend, with no
+        # options: the TWELL_* variables apply.
+        from .activate import active_options
+
+        opts = active_options() or TwellOptions()
+    else:
+        opts = TwellOptions.from_dict(options)
     rewrite_ffns(gm, opts, graph_name=f"graph{next(_graph_ids)}")
     gm.meta[REWRITTEN_META] = True  # the TWELL=1 pre-grad pass must not rewrite it again
     return compile_inner(gm, example_inputs, opts.inner, mode)

@@ -123,7 +123,8 @@ def as_projection(node: object) -> Optional[Projection]:
     if is_add and len(node.args) == 2 and not node.kwargs:
         for inner, bias in (node.args, node.args[::-1]):
             proj = as_projection(inner)
-            if proj is not None and proj.bias is None and len(proj.out.users) == 1 and _is_tensor_node(bias, 1):
+            # A multi-user inner product still makes this FFN-like; the single-user check reports it.
+            if proj is not None and proj.bias is None and _is_tensor_node(bias, 1):
                 return Projection(node, proj.x, proj.weight, bias, proj.internal + [node])
     return None
 
@@ -162,7 +163,7 @@ def where(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if stack:
         path, mod_type = list(stack.values())[-1]
-        path = re.sub(r"^L\['[^']*'\]\.?", "", str(path)) or "model"  # Dynamo's L['self'].a.b → a.b
+        path = re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", str(path)) or "model"  # Dynamo's L['self'].a.b → a.b
         if isinstance(mod_type, type) and issubclass(mod_type, torch.nn.Linear) and "." in path:
             path = path.rsplit(".", 1)[0]  # the Linear's parent is the FFN module
         return path

@@ -101,12 +101,16 @@ def report() -> Report:
 
 
 def reset() -> None:
-    """Forget the report and the layers' run-time counters."""
+    """Forget the report, the layers' run-time counters and any ``set_l1_coeff`` value that
+    layers rewritten from now on would start from (live layers keep their current value)."""
+    from .l1 import clear_l1_override
+
     with _lock:
         _current.rewritten.clear()
         _current.skipped.clear()
         _current.graphs = 0
     telemetry.reset()
+    clear_l1_override()
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,13 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
         reporting.record([], skipped)
         details = "\n".join(f"  - {s}" for s in skipped)
         raise TwellRewriteError(f"twell (strict=True): {len(skipped)} FFN-like pattern(s) cannot be rewritten:\n{details}")
+    matches = _non_overlapping(matches)
     fake_mode = _fake_mode(gm)
     rewritten = []
     n_layers = len(matches)  # the L1 is a mean over the layers rewritten in this graph
+    replaced: dict[fx.Node, fx.Node] = {}  # down-projection output → op output, for chained FFNs
     for m in matches:
-        rewritten.append(_rewrite_one(gm, m, options, n_layers, fake_mode, graph_name))
+        rewritten.append(_rewrite_one(gm, m, options, n_layers, fake_mode, graph_name, replaced))
     if matches:
         gm.graph.lint()
         gm.recompile()
@@ -50,15 +52,32 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
     return rewritten, skipped
 
 
-def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, n_layers: int, fake_mode, graph_name: str) -> Rewritten:
+def _non_overlapping(matches: list[FfnMatch]) -> list[FfnMatch]:
+    """Matches in graph order whose nodes no earlier match uses (``Linear, ReLU, Linear, ReLU,
+    Linear`` holds two overlapping candidates; the first one wins)."""
+    taken: set[fx.Node] = set()
+    kept = []
+    for m in matches:
+        nodes = set(m.nodes_to_remove())
+        if nodes & taken:
+            continue
+        taken |= nodes
+        kept.append(m)
+    return kept
+
+
+def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, n_layers: int, fake_mode, graph_name: str, replaced: dict) -> Rewritten:
     graph = gm.graph
     layer = reporting.new_layer_id()
     dtype = m.compute_dtype
     with graph.inserting_before(m.down.out):
 
         def cast(node: Optional[fx.Node]) -> Optional[fx.Node]:
+            if node is None:
+                return None
+            node = replaced.get(node, node)  # the input may be an FFN rewritten just before
             # Under autocast the projections ran in `dtype`; make that explicit for the op.
-            if node is None or _val(node).dtype == dtype:
+            if _val(node).dtype == dtype:
                 return node
             return _with_meta(graph.call_method("to", (node, dtype)), fake_mode)
 
@@ -83,6 +102,7 @@ def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, n_layer
     out.meta.setdefault("stack_trace", m.down.out.meta.get("stack_trace"))
     loc = where(m.down.out)
     m.down.out.replace_all_uses_with(out)
+    replaced[m.down.out] = out
     for node in m.nodes_to_remove():
         if not node.users:
             graph.erase_node(node)
@@ -113,11 +133,12 @@ def _coefficient_node(gm: fx.GraphModule, device: torch.device, value: float, fa
 
 
 def _fake_mode(gm: fx.GraphModule):
-    vals = [_val(n) for n in gm.graph.nodes if n.op == "placeholder"]
-    try:
-        return torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    except Exception:  # noqa: BLE001 - meta is a convenience for later passes, not a requirement
-        return None
+    """The fake mode the nodes' example values belong to (not the ambient tracing context's)."""
+    for n in gm.graph.nodes:
+        mode = getattr(_val(n), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
 
 
 def _with_meta(node: fx.Node, fake_mode) -> fx.Node:
@@ -126,6 +147,8 @@ def _with_meta(node: fx.Node, fake_mode) -> fx.Node:
         return node
     try:
         args = fx.node.map_arg(node.args, _val)
+        if any(isinstance(a, fx.Node) and _val(a) is None for a in node.all_input_nodes):
+            return node  # an input without a value: leave this node's meta empty
         with fake_mode:
             if node.op == "call_method":
                 value = getattr(args[0], node.target)(*args[1:])

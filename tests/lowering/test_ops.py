@@ -1,0 +1,346 @@
+"""The TwELL ops ``twell::ffn``, ``twell::ffn_train`` and ``twell::ffn_bwd`` on CPU.
+
+* ``torch.library.opcheck`` (schema, fake impl, autograd registration, AOT dispatch with dynamic
+  shapes) for gated/plain, with/without biases, fp32/fp16/bf16, 2-D and 3-D ``x``;
+* argument checks: ``ValueError`` naming the argument at fault;
+* telemetry written by a call (calls, tokens, active neurons, L1);
+* gradients: ``ffn`` under autograd is exact (no L1); ``ffn_train`` adds exactly
+  ``(l1_coeff / n_layers) · ∂L1/∂θ`` with ``L1 = (1/T) Σ|h|`` (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import twell_compile.lowering  # noqa: F401  (registers torch.ops.twell.*)
+from twell_compile.lowering import telemetry
+from twell_compile.lowering.checks import check_ffn_args
+
+from tests.ffn_models import assert_close
+
+ops = torch.ops.twell
+D, H = 8, 20  # H fits no tile (128) on purpose
+
+
+@pytest.fixture(autouse=True)
+def _fresh_telemetry():
+    telemetry.reset()
+    yield
+    telemetry.reset()
+
+
+def make_args(gated: bool, bias: bool, dtype=torch.float32, lead=(6,), *, requires_grad=False, d=D, h=H, seed=0):
+    """``(x, wg, wu, wd, bg, bu, bd)`` in ``nn.Linear`` layouts; about half the gate is active."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype).requires_grad_(requires_grad)
+
+    x = rand(*lead, d)
+    wg = rand(h, d, scale=d**-0.5) if gated else None
+    wu = rand(h, d, scale=d**-0.5)
+    wd = rand(d, h, scale=h**-0.5)
+    bg = rand(h, scale=0.1) if gated and bias else None
+    bu = rand(h, scale=0.1) if bias else None
+    bd = rand(d, scale=0.1) if bias else None
+    return x, wg, wu, wd, bg, bu, bd
+
+
+def detached(args):
+    return tuple(None if t is None else t.detach() for t in args)
+
+
+def dense_hidden(x, wg, wu, bg, bu):
+    up = F.linear(x, wu, bu)
+    return torch.relu(up) if wg is None else torch.relu(F.linear(x, wg, bg)) * up
+
+
+def dense_ffn(x, wg, wu, wd, bg, bu, bd):
+    return F.linear(dense_hidden(x, wg, wu, bg, bu), wd, bd)
+
+
+# ---------------------------------------------------------------------------------------------
+# opcheck
+# ---------------------------------------------------------------------------------------------
+
+# Every gated/plain × bias combination in fp32 with 2-D and 3-D x; fp16 and bf16 on every
+# gated/plain × bias combination with one rank each (rank and dtype do not interact in the ops,
+# and the AOT-dispatch check costs ~0.6 s per op and case).
+OPCHECK_CASES = [
+    *itertools.product([True, False], [True, False], [torch.float32], [(6,), (2, 3)]),
+    *itertools.product([True, False], [True, False], [torch.float16], [(6,)]),
+    *itertools.product([True, False], [True, False], [torch.bfloat16], [(2, 3)]),
+]
+
+
+def _case_id(case):
+    gated, bias, dtype, lead = case
+    return f"{'gated' if gated else 'plain'}-{'bias' if bias else 'nobias'}-{str(dtype)[6:]}-{len(lead) + 1}d"
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=[_case_id(c) for c in OPCHECK_CASES])
+def test_opcheck_all_ops(case):
+    gated, bias, dtype, lead = case
+    args = make_args(gated, bias, dtype, lead, requires_grad=True)
+    coeff = torch.tensor(0.25)
+    torch.library.opcheck(ops.ffn.default, (*args, 0))
+    torch.library.opcheck(ops.ffn_train.default, (*args, coeff, 2, 0))
+    plain_args = detached(args)
+    with torch.no_grad():
+        out, idx, val, count, up_val = ops.ffn_train(*plain_args, coeff, 2, 0)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(ops.ffn_bwd.default, (dout, *plain_args, idx, val, count, up_val, coeff, 2, 0))
+
+
+def test_fake_impls_match_real_shapes_and_dtypes():
+    """The saved TwELL tensors have shapes from input shapes only (fixed capacity, DESIGN §6)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for gated in (True, False):
+        args = make_args(gated, True, torch.bfloat16, (2, 3), h=300)
+        real = ops.ffn_train(*args, torch.tensor(0.0), 1, 0)
+        with FakeTensorMode() as mode:
+            fake_args = tuple(None if t is None else mode.from_tensor(t) for t in args)
+            fake = ops.ffn_train(*fake_args, mode.from_tensor(torch.tensor(0.0)), 1, 0)
+        for r, f in zip(real, fake):
+            assert (tuple(r.shape), r.dtype) == (tuple(f.shape), f.dtype)
+        assert real[1].shape[-2:] == (3, 16)  # ceil(300 / 128) tiles of 16 slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _bad_args(kind):
+    x, wg, wu, wd, bg, bu, bd = make_args(True, True, torch.float32, (2, 3))
+    return {
+        "x-features": ((torch.randn(2, 3, D + 1), wg, wu, wd, bg, bu, bd), r"\bx\b.*features"),
+        "x-0d": ((torch.tensor(1.0), wg, wu, wd, bg, bu, bd), r"\bx\b.*dimension"),
+        "x-int": ((x.long(), wg, wu, wd, bg, bu, bd), r"\bx\b.*dtype.*int64"),
+        "wg-shape": ((x, torch.randn(H + 1, D), wu, wd, bg, bu, bd), r"\bwg\b.*shape"),
+        "wu-3d": ((x, wg, wu[None], wd, bg, bu, bd), r"\bwu\b"),
+        "wd-transposed": ((x, wg, wu, wd.T.contiguous(), bg, bu, bd), r"\bwd\b.*shape"),
+        "bg-shape": ((x, wg, wu, wd, torch.randn(3), bu, bd), r"\bbg\b.*shape"),
+        "bu-shape": ((x, wg, wu, wd, bg, torch.randn(D), bd), r"\bbu\b.*shape"),
+        "bd-shape": ((x, wg, wu, wd, bg, bu, torch.randn(H)), r"\bbd\b.*shape"),
+        "wg-dtype": ((x, wg.double(), wu, wd, bg, bu, bd), r"\bwg\b.*dtype"),
+        "wu-dtype": ((x, wg, wu.half(), wd, bg, bu, bd), r"\bwu\b.*float16"),
+        "bd-dtype": ((x, wg, wu, wd, bg, bu, bd.bfloat16()), r"\bbd\b.*dtype"),
+        "bg-without-wg": ((x, None, wu, wd, bg, bu, bd), r"\bbg\b.*\bwg\b"),
+    }[kind]
+
+
+BAD_KINDS = ["x-features", "x-0d", "x-int", "wg-shape", "wu-3d", "wd-transposed", "bg-shape", "bu-shape", "bd-shape",
+             "wg-dtype", "wu-dtype", "bd-dtype", "bg-without-wg"]
+
+
+@pytest.mark.parametrize("op", ["ffn", "ffn_train"])
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_bad_arguments_raise_value_error_naming_them(op, kind):
+    args, pattern = _bad_args(kind)
+    with pytest.raises(ValueError, match=pattern):
+        if op == "ffn":
+            ops.ffn(*args, 0)
+        else:
+            ops.ffn_train(*args, torch.tensor(0.0), 1, 0)
+
+
+@pytest.mark.parametrize("name", ["wg", "wd", "bu", "bd"])
+def test_device_mismatch_names_the_argument(name):
+    # On a CPU-only machine the other device is "meta". The op itself would dispatch to its fake
+    # impl when any argument is meta (as torch.mm does), so the check is exercised directly.
+    args = dict(zip(["x", "wg", "wu", "wd", "bg", "bu", "bd"], make_args(True, True)))
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=rf"\b{name}\b.*meta.*cpu"):
+        check_ffn_args(*args.values())
+
+
+@pytest.mark.parametrize("n_layers", [0, -1])
+def test_n_layers_below_one_is_rejected(n_layers):
+    """``n_layers`` is documented as >= 1; 0 would divide the L1 coefficient by zero (NaN grads)."""
+    args = make_args(True, True, requires_grad=True)
+    with pytest.raises(ValueError, match="n_layers"):
+        out = ops.ffn_train(*args, torch.tensor(0.1), n_layers, 0)[0]
+        out.sum().backward()  # raising here, in backward, would do too
+
+
+def test_l1_coeff_must_be_a_0d_tensor():
+    args = make_args(True, True)
+    with pytest.raises(ValueError, match="l1_coeff"):
+        ops.ffn_train(*args, torch.tensor([0.1, 0.2]), 1, 0)
+
+
+def test_ffn_bwd_checks_dout_shape():
+    args = make_args(True, True, lead=(6,))
+    out, idx, val, count, up_val = ops.ffn_train(*args, torch.tensor(0.0), 1, 0)
+    with pytest.raises(ValueError, match=r"\bdout\b"):
+        ops.ffn_bwd(torch.randn(6, D + 1), *args, idx, val, count, up_val, torch.tensor(0.0), 1, 0)
+    with pytest.raises(ValueError, match="n_layers"):
+        ops.ffn_bwd(torch.randn(6, D), *args, idx, val, count, up_val, torch.tensor(0.0), 0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results, telemetry
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("lead", [(7,), (2, 3), (2, 1, 3), ()], ids=["2d", "3d", "4d", "1d"])
+def test_outputs_equal_dense_in_float64(gated, lead):
+    args = make_args(gated, True, torch.float64, lead)
+    expected = dense_ffn(*args)
+    assert_close(ops.ffn(*args, 0), expected, rtol=1e-12, atol=1e-12, name="ffn")
+    assert_close(ops.ffn_train(*args, torch.tensor(0.5, dtype=torch.float32), 1, 0)[0], expected, rtol=1e-12, atol=1e-12, name="ffn_train")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_telemetry_after_a_call(gated):
+    x, wg, wu, wd, bg, bu, bd = make_args(gated, True, lead=(3, 5))
+    layer = 41
+    controlled = F.linear(x, wg, bg) if gated else F.linear(x, wu, bu)
+    active = int((controlled > 0).sum())  # gate units (up units for a plain FFN) > 0
+    expected_l1 = dense_hidden(x, wg, wu, bg, bu).abs().sum().item() / 15
+
+    ops.ffn_train(x, wg, wu, wd, bg, bu, bd, torch.tensor(0.1), 1, layer)
+    snap = telemetry.snapshot()[layer]
+    assert snap["calls"] == 1
+    assert snap["tokens"] == 15
+    assert snap["active"] == active
+    assert snap["l1"] == pytest.approx(expected_l1, rel=1e-5)
+    assert 0 <= snap["dense_rows"] <= 15
+
+    ops.ffn(x[:1], wg, wu, wd, bg, bu, bd, layer)  # inference: new counts, the last L1 is kept
+    snap = telemetry.snapshot()[layer]
+    assert snap["calls"] == 2 and snap["tokens"] == 5
+    assert snap["active"] == int((controlled[:1] > 0).sum())
+    assert snap["l1"] == pytest.approx(expected_l1, rel=1e-5)
+
+
+def test_inference_only_layer_has_no_l1():
+    """A layer that never ran a training call has no L1 measurement (NaN, stats() shows None), not 0."""
+    ops.ffn(*make_args(True, True), 7)
+    l1 = telemetry.snapshot()[7]["l1"]
+    assert l1 != l1, f"L1 of a never-trained layer reads {l1!r}"
+
+
+def test_telemetry_counts_are_per_layer():
+    args = make_args(False, False)
+    ops.ffn(*args, 3)
+    ops.ffn(*args, 3)
+    ops.ffn(*args, 4)
+    snap = telemetry.snapshot()
+    assert snap[3]["calls"] == 2 and snap[4]["calls"] == 1
+    telemetry.reset()
+    assert telemetry.snapshot() == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients
+# ---------------------------------------------------------------------------------------------
+
+
+def _dense_grads(args, dout, l1_scale=0.0):
+    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in args]
+    x, wg, wu, wd, bg, bu, bd = leaves
+    h = dense_hidden(x, wg, wu, bg, bu)
+    out = F.linear(h, wd, bd)
+    loss = (out * dout).sum()
+    if l1_scale:
+        loss = loss + l1_scale * h.abs().sum() / max(1, h[..., 0].numel())
+    loss.backward()
+    return [None if t is None else t.grad for t in leaves]
+
+
+def _op_grads(call, args, dout):
+    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in args]
+    out = call(*leaves)
+    (out * dout).sum().backward()
+    return [None if t is None else t.grad for t in leaves]
+
+
+NAMES = ("x", "wg", "wu", "wd", "bg", "bu", "bd")
+
+
+@pytest.mark.parametrize("gated,bias", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["gated-bias", "gated", "plain-bias", "plain"])
+def test_ffn_under_autograd_gives_exact_gradients(gated, bias):
+    """``twell::ffn`` (the inference op) differentiates exactly, without any L1 term."""
+    args = make_args(gated, bias, torch.float64, (3, 5))
+    dout = torch.randn(3, 5, D, dtype=torch.float64)
+    got = _op_grads(lambda *a: ops.ffn(*a, 0), args, dout)
+    want = _dense_grads(args, dout)
+    for name, g, w in zip(NAMES, got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert_close(g, w, rtol=1e-10, atol=1e-12, name=f"d{name}")
+
+
+def test_ffn_under_autograd_fp32_matches_eager():
+    args = make_args(True, True, torch.float32, (4, 6))
+    dout = torch.randn(4, 6, D)
+    got = _op_grads(lambda *a: ops.ffn(*a, 0), args, dout)
+    want = _dense_grads(args, dout)
+    for name, g, w in zip(NAMES, got, want):
+        assert_close(g, w, rtol=1e-4, atol=1e-5, name=f"d{name}")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("coeff,n_layers", [(0.0, 1), (0.375, 1), (0.375, 4)])  # exact in float32
+def test_ffn_train_injects_l1_gradient(gated, coeff, n_layers):
+    """Gradients of ``(out·dout).sum() + (c / n_layers) · (1/T) Σ|h|``, T = all leading dims."""
+    args = make_args(gated, True, torch.float64, (2, 5))
+    dout = torch.randn(2, 5, D, dtype=torch.float64)
+    got = _op_grads(lambda *a: ops.ffn_train(*a, torch.tensor(coeff), n_layers, 0)[0], args, dout)
+    want = _dense_grads(args, dout, l1_scale=coeff / n_layers)
+    for name, g, w in zip(NAMES, got, want):
+        if w is not None:
+            assert_close(g, w, rtol=1e-10, atol=1e-12, name=f"d{name}")
+
+
+def test_l1_coeff_zero_is_exactly_off():
+    args = make_args(True, True, torch.float32, (4, 3))
+    dout = torch.randn(4, 3, D)
+    with_zero = _op_grads(lambda *a: ops.ffn_train(*a, torch.tensor(0.0), 1, 0)[0], args, dout)
+    inference = _op_grads(lambda *a: ops.ffn(*a, 0), args, dout)
+    for name, a, b in zip(NAMES, with_zero, inference):
+        assert torch.equal(a, b), name
+
+
+def test_overflowing_rows_stay_exact():
+    """Every gate unit active (H=300 > 16 slots per 128-column tile): the dense backup runs."""
+    x, wg, wu, wd, bg, bu, bd = make_args(True, True, torch.float64, (4,), h=300)
+    bg = bg.detach() + 100.0  # all active
+    args = (x, wg, wu, wd, bg, bu, bd)
+    assert_close(ops.ffn(*args, 5), dense_ffn(*args), rtol=1e-12, atol=1e-12)
+    assert telemetry.snapshot()[5]["dense_rows"] == 4
+    dout = torch.randn(4, D, dtype=torch.float64)
+    got = _op_grads(lambda *a: ops.ffn_train(*a, torch.tensor(0.25), 1, 0)[0], args, dout)
+    want = _dense_grads(args, dout, l1_scale=0.25)
+    for name, g, w in zip(NAMES, got, want):
+        assert_close(g, w, rtol=1e-10, atol=1e-12, name=f"d{name}")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("lead", [(0,), (2, 0)], ids=["0x", "2x0x"])
+def test_zero_tokens(gated, lead):
+    """No tokens: an empty output and zero gradients (bias of the down projection included)."""
+    args = make_args(gated, True, torch.float32, lead, requires_grad=True)
+    out = ops.ffn_train(*args, torch.tensor(0.5), 1, 0)[0]
+    assert out.shape == (*lead, D)
+    out.sum().backward()
+    for name, t in zip(NAMES, args):
+        if t is not None:
+            assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any(), name
+
+
+def test_double_backward_is_refused():
+    args = make_args(False, False, torch.float64, requires_grad=True)
+    out = ops.ffn_train(*args, torch.tensor(0.0), 1, 0)[0]
+    (dx,) = torch.autograd.grad(out.sum(), args[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dx.sum().backward()
