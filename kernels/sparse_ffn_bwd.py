@@ -1,0 +1,893 @@
+"""TwELL training backward: every product restricted to the stored (token, neuron) pairs.
+
+Math (``reference.ffn_backward_ref``). For every stored pair ``(t, j)`` of a row that is not dense,
+with ``g`` the packed pre-activation (gate for a gated FFN, up for a plain one) and ``u`` the up
+value the forward kept (``up_val``):
+
+* ``h = relu(g) · u`` (gated) or ``relu(g)`` (plain);
+* ``dh = dout_t · Wd[:, j] + (l1_scale / M) · sign(h)`` (a sampled dense-dense product plus the L1
+  gradient of DESIGN.md section 4; ``sign(NaN) = 0`` as in ``torch.sign``);
+* gated: ``dgate = 0 if g <= 0 else dh · u`` (NaN passes) and ``dup = dh · relu(g)``;
+  plain: ``dup = 0 if g <= 0 else dh``;
+* ``dx_t += dgate · Wg_j + dup · Wu_j``, ``dWg_j += dgate · x_t``, ``dWu_j += dup · x_t``,
+  ``dWd[:, j] += h · dout_t``, ``dbg_j += dgate``, ``dbu_j += dup``; ``dbd = Σ_t dout_t``.
+
+Rows flagged in ``dense_rows`` (overflowed tiles, the finiteness guard) use the same formulas over
+all H, with the gate and up values recomputed from ``x``. Arithmetic is fp32; each output is rounded
+once, to its input's dtype. Nothing synchronises the host, every buffer has a capacity fixed by the
+shapes, and every output element has exactly one writer, so results are deterministic and the
+whole backward can be captured in a CUDA graph.
+
+Kernels, in launch order:
+
+1. ``_rank_kernel`` (twice): the neuron-major ("transposed") list of the stored pairs, built on the
+   device as a stable counting sort by neuron. A program owns ``TB`` tokens × one TwELL tile; it
+   turns the tile's slots into a ``[TB, tile_n]`` bitmap (through 32-bit words, not a one-hot),
+   whose column sums are the block's per-neuron counts (pass 1) and whose exclusive prefix sums
+   down the tokens are each pair's rank inside its neuron (pass 2). Between the passes one
+   ``torch.cumsum`` over ``[H, M / TB]`` counts gives every (neuron, token block) its start. The
+   list holds slot numbers ``(t · n_tiles + tile) · slots + s``; its capacity ``M · n_tiles · slots``
+   is every slot, so it cannot overflow; pairs of a neuron are in token order.
+2. ``_tokens_kernel``: token-major. A program owns ``TOKENS`` sparse rows, one after the other, with
+   the ``dout`` row and the ``dx`` accumulator in registers. It walks the row's stored pairs as one
+   compact list, ``CH`` at a time (a prefix sum over the row's tile counts, then a ``[CH, n_tiles]``
+   search), loads the ``Wdᵀ``, ``Wg`` and ``Wu`` rows of those neurons, and writes ``dh`` per slot.
+3. ``_dense_coef_kernel``: ``dgate``, ``dup`` and ``h`` of the first ``r_cap`` dense rows over all
+   H, as ``[16, BH]`` tiles from ``tl.dot`` over D, into an fp32 scratch ``[3, r_cap, H]``
+   (``r_cap`` from a 32 MiB budget: 496 rows at H = 5632).
+4. ``_dense_dx_kernel``: ``dx`` of the dense rows, ``[16, BD]`` tiles reduced over H with ``tl.dot``;
+   coefficients from the scratch, or recomputed for dense rows past ``r_cap`` (exact, slower).
+5. ``_wgrad_kernel``: neuron-major. A program owns neuron ``j`` × a ``BD`` slice of D, loops over
+   ``j``'s pairs in token order (``dgate``/``dup``/``h`` recomputed from ``val``, ``up_val`` and the
+   stored ``dh``) gathering ``x`` and ``dout`` rows, then over the dense rows (scratch column, or
+   recomputed past ``r_cap``), and writes ``dWg_j``, ``dWu_j``, ``dWdᵀ_j`` and the bias grads: no
+   atomics. Launched ``j``-fastest, so the ``[M, BD]`` slabs of ``x`` and ``dout`` being gathered
+   (16 MB at M = 16384, BD = 256, bf16) stay in L2.
+
+Bytes, 16-bit tensors (``e = 2``), ``P`` stored pairs (``a`` per token):
+
+* ``_tokens_kernel``: per pair 3 weight rows, ``3·D·e`` (12 KiB at D = 2048), from L2 (the 46 MB of
+  weights fit the H200's 60 MB L2), plus 16 B of TwELL and ``dh``; per token ``2·D·e`` (``dout`` in,
+  ``dx`` out) and ``n_tiles·4``.
+* ``_wgrad_kernel``: per pair 2 rows, ``2·D·e`` (8 KiB), from L2 slabs; writes ``3·H·D·e``.
+* lists: ``2·M·n_tiles·4 + 3·P·4`` plus ``H·M/TB·12`` for the counts and their prefix sum.
+* ``Wdᵀ``: the launcher copies ``wd.t().contiguous()`` (``2·H·D·e``) unless ``wd`` already is a
+  transposed view of a contiguous ``[H, D]`` tensor.
+
+At M = 16384, D = 2048, H = 5632, 0.5 % density (a = 28, P = 0.46 M) that is
+5.7 GB + 3.8 GB of gathered rows (≈ 1.05 ms at the ~9 TB/s L2 rate measured for the forward
+gather, DESIGN.md section 10), against 2.27 TFLOP (≈ 3.4 ms) for the six dense backward GEMMs.
+
+Scratch: ``dh`` and the pair list (``M·n_tiles·slots·4`` B each: 46 MB at the shape above), the
+dense-row coefficients (≤ 32 MiB), ``Wdᵀ``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
+from .reference import Grads, _may_overflow, backward_dense_rows_ref
+
+# Set before import (DESIGN.md section 9): the interpreter computes bf16 tl.dot wrongly and cannot
+# autotune over several configs.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _helper(fn):
+    """``triton.jit`` for device helpers; a plain function under the interpreter, which re-patches
+    ``triton.language`` on every call of a jit function (about 2 ms each, most of the CPU test
+    time) while a plain function runs inside the kernel's already patched scope."""
+    return fn if INTERPRET else triton.jit(fn)
+
+
+if INTERPRET:
+    # tl.sum and tl.cumsum are jit functions too: call the reduction they wrap directly. (The
+    # kernels use tl.full, a builtin, rather than the jit tl.zeros for the same reason.)
+    def _sum(x, axis):
+        return tl.reduce(x, axis, tl.standard._sum_combine)
+
+    def _cumsum(x, axis):
+        return tl.associative_scan(x, axis, tl.standard._sum_combine)
+
+else:
+
+    @triton.jit
+    def _sum(x, axis: tl.constexpr):
+        return tl.sum(x, axis=axis)
+
+    @triton.jit
+    def _cumsum(x, axis: tl.constexpr):
+        return tl.cumsum(x, axis=axis)
+
+# Tokens per program of the counting sort: the counts and their prefix sum are [H, M / TB].
+_RANK_TB = 64
+# Rank lookup by tl.gather (True) or by a [TB, slots, tile_n] one-hot (False; tests cover both).
+_RANK_USE_GATHER = True
+# Dense-row coefficient scratch budget (fp32 [3, r_cap, H]); rows past it are recomputed.
+_DENSE_SCRATCH_BYTES = 32 << 20
+# Rows per dense tile: the smallest tl.dot M dimension on tensor cores.
+_BR = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared element-wise pieces (the reference's formulas, in fp32)
+# ---------------------------------------------------------------------------------------------
+
+
+@_helper
+def _hidden(pre, up, GATED: tl.constexpr):
+    """``(relu(pre), h)``; relu keeps NaN, as ``torch.relu`` does."""
+    act = tl.where(pre <= 0.0, 0.0, pre)
+    if GATED:
+        hv = act * up
+    else:
+        hv = act
+    return act, hv
+
+
+@_helper
+def _sign(v):
+    """``torch.sign``: -1, 0 or 1, and 0 for NaN."""
+    return tl.where(v > 0.0, 1.0, tl.where(v < 0.0, -1.0, 0.0))
+
+
+@_helper
+def _pair_grads(pre, up, act, dh, GATED: tl.constexpr):
+    """``(dgate, dup)`` from ``dh``; plain FFNs return ``dup`` twice."""
+    if GATED:
+        d_gate = tl.where(pre <= 0.0, 0.0, dh * up)
+        d_up = dh * act
+    else:
+        d_up = tl.where(pre <= 0.0, 0.0, dh)
+        d_gate = d_up
+    return d_gate, d_up
+
+
+@_helper
+def _dot(a, b, acc, NATIVE: tl.constexpr):
+    """``acc + a @ b``: tensor cores on 16-bit operands (exact products, fp32 sums), else IEEE fp32
+    (also under the interpreter, whose bf16 tl.dot is wrong)."""
+    if NATIVE:
+        acc = tl.dot(a, b, acc)
+    else:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Neuron-major pair lists: a stable counting sort by neuron, on the device
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rank_kernel(
+    # pointers
+    idx_ptr, count_ptr, dense_ptr, counts_ptr, starts_ptr, list_ptr,
+    # dimensions
+    M, N_TILES, NB,
+    # meta-parameters
+    PLACE: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, TILE_N: tl.constexpr,
+    TB: tl.constexpr, USE_GATHER: tl.constexpr,
+):
+    """Count (``PLACE`` false) or place (``PLACE`` true) the stored pairs of ``TB`` tokens × tile.
+
+    idx ``[M, N_TILES, SLOTS]``, count ``[M, N_TILES]``, dense uint8 ``[M]``. A stored pair is slot
+    ``s < min(count, SLOTS)`` of a row with ``dense == 0``. Counting writes, for each column ``c`` of
+    the tile, ``counts[tile·TILE_N + c, b]`` (int32 ``[N_TILES·TILE_N, NB]``). Placing reads
+    ``starts`` (int64, same shape: where neuron ``c``'s pairs of block ``b`` begin in the list) and
+    stores each pair's slot number at ``starts + (pairs of that neuron in earlier tokens of the
+    block)``. Columns of a tile row are distinct (the format), so a bitmap holds them exactly.
+    """
+    b = tl.program_id(0)
+    tau = tl.program_id(1)
+    rows = b * TB + tl.arange(0, TB)
+    r_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    cnt = tl.load(count_ptr + rows64 * N_TILES + tau, mask=r_ok, other=0)
+    dense = tl.load(dense_ptr + rows64, mask=r_ok, other=1)
+    stored = tl.where(r_ok & (dense == 0), tl.minimum(cnt, SLOTS), 0)
+    s = tl.arange(0, SLOTS_P2)
+    valid = s[None, :] < stored[:, None]  # [TB, SLOTS_P2]
+    slot = (rows64[:, None] * N_TILES + tau) * SLOTS + s[None, :]
+    col = tl.load(idx_ptr + slot, mask=valid, other=0)
+    loc = tl.minimum(tl.maximum(col - tau * TILE_N, 0), TILE_N - 1)  # in the tile (clamped for safety)
+
+    # Bitmap [TB, TILE_N] of the block's pairs, through NW words of WB bits per token.
+    WB: tl.constexpr = 32 if TILE_N >= 32 else TILE_N
+    NW: tl.constexpr = TILE_N // WB
+    words_i = tl.arange(0, NW)
+    bit = tl.full((TB, SLOTS_P2), 1, tl.uint32) << (loc % WB).to(tl.uint32)
+    hit = valid[:, :, None] & ((loc // WB)[:, :, None] == words_i[None, None, :])
+    words = _sum(tl.where(hit, bit[:, :, None], 0), axis=1)  # [TB, NW]: distinct bits, so sum = or
+    shifts = tl.arange(0, WB).to(tl.uint32)
+    bits = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 1, (TB, TILE_N)).to(tl.int32)
+    cols = tl.arange(0, TILE_N)
+    if PLACE:
+        rank = _cumsum(bits, axis=0) - bits  # pairs of the same neuron in earlier tokens
+        if USE_GATHER:
+            r = tl.gather(rank, loc, axis=1)
+        else:
+            r = _sum(tl.where(loc[:, :, None] == cols[None, None, :], rank[:, None, :], 0), axis=2)
+        neuron = (tau * TILE_N + loc).to(tl.int64)
+        start = tl.load(starts_ptr + neuron * NB + b, mask=valid, other=0)
+        tl.store(list_ptr + start + r, slot.to(list_ptr.dtype.element_ty), mask=valid)
+    else:
+        per_col = _sum(bits, axis=0)
+        tl.store(counts_ptr + (tau * TILE_N + cols).to(tl.int64) * NB + b, per_col)
+
+
+def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, layout: TwellLayout = DEFAULT_LAYOUT):
+    """The stored pairs of the sparse rows, grouped by neuron: ``(ptr, slots)``.
+
+    Neuron ``j``'s pairs are ``slots[ptr[j]:ptr[j + 1]]``, as slot numbers
+    ``(t · n_tiles + tile) · layout.slots + s`` (so ``t = slot // (n_tiles · slots)``), in
+    increasing token order: the same order as a stable argsort of the slots by neuron. ``ptr`` is
+    int64 ``[hidden + 1]``; ``slots`` has the capacity of every slot, ``M · n_tiles · slots``
+    (int32, or int64 when that reaches 2³¹), and holds ``ptr[hidden]`` valid entries. Device ops
+    only: no host synchronisation.
+    """
+    idx, count = packed.idx, packed.count
+    m, n_tiles = count.shape
+    slots, tile_n = layout.slots, layout.tile_n
+    dev = idx.device
+    h_pad = n_tiles * tile_n
+    nb = triton.cdiv(m, _RANK_TB)
+    cap = m * n_tiles * slots
+    slot_dtype = torch.int32 if cap < 2**31 else torch.int64
+    lists = torch.empty(max(cap, 1), dtype=slot_dtype, device=dev)
+    if m == 0 or n_tiles == 0:
+        return torch.zeros(hidden + 1, dtype=torch.int64, device=dev), lists
+    idx, count = idx.contiguous(), count.contiguous()
+    dense_u8 = dense_rows.contiguous().view(torch.uint8)
+    counts = torch.empty(h_pad, nb, dtype=torch.int32, device=dev)
+    meta = dict(SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), TILE_N=tile_n, TB=_RANK_TB,
+                USE_GATHER=_RANK_USE_GATHER, num_warps=4)
+    grid = (nb, n_tiles)
+    _rank_kernel[grid](idx, count, dense_u8, counts, counts, lists, m, n_tiles, nb, PLACE=False, **meta)
+    flat = counts.view(-1)
+    incl = torch.cumsum(flat, 0)  # int64, neuron-major then block: [j0 b0, j0 b1, ..., j1 b0, ...]
+    starts = incl - flat
+    ptr = torch.cat([starts.view(h_pad, nb)[:hidden, 0], incl[-1:]])
+    _rank_kernel[grid](idx, count, dense_u8, counts, starts, lists, m, n_tiles, nb, PLACE=True, **meta)
+    return ptr, lists
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Sparse rows, token-major: dh per pair and dx
+# ---------------------------------------------------------------------------------------------
+
+
+def _token_configs():
+    if INTERPRET:
+        return [triton.Config({"CH": 4, "TOKENS": 2}, num_warps=4, num_stages=1)]
+    # (pairs per chunk, warps, tokens per program), around the forward's naive floor (DESIGN.md
+    # section 10: one token per program, 4 warps). Not swept yet for the backward.
+    shapes = [(2, 4, 1), (4, 8, 1), (8, 8, 1), (4, 4, 1), (4, 4, 2), (8, 16, 1), (16, 16, 1)]
+    return [triton.Config({"CH": c, "TOKENS": t}, num_warps=w, num_stages=1) for c, w, t in shapes]
+
+
+def _prune_tokens(configs, nargs, **kwargs):
+    """Keep configs whose three ``[CH, BLOCK_D]`` weight tiles fit ≤ 128 fp32 registers per thread."""
+    block_d = kwargs["BLOCK_D"]
+    keep = [c for c in configs if 3 * c.kwargs["CH"] * block_d <= 128 * 32 * c.num_warps]
+    if keep:
+        return keep
+    return [triton.Config({"CH": 1, "TOKENS": 1}, num_warps=16, num_stages=1)]
+
+
+@triton.autotune(configs=_token_configs(), key=["D", "H", "GATED"], prune_configs_by={"early_config_prune": _prune_tokens})
+@triton.jit
+def _tokens_kernel(
+    # pointers
+    dout_ptr, wg_ptr, wu_ptr, wdt_ptr, idx_ptr, val_ptr, up_ptr, count_ptr, dense_ptr, scale_ptr,
+    dx_ptr, dh_ptr,
+    # dimensions
+    M, D, H, N_TILES,
+    # row strides (elements; every last dimension is contiguous)
+    stride_gm, stride_wg, stride_wu, stride_wdt, stride_dxm,
+    # meta-parameters
+    GATED: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+    CH: tl.constexpr, TOKENS: tl.constexpr,
+):
+    """``dx[t]`` and ``dh`` at every stored slot of each sparse row ``t`` (``dense[t] == 0``).
+
+    dout ``[M, D]``; wg, wu, wdt (= Wdᵀ) ``[H, D]``; TwELL idx/val/up ``[M, N_TILES, SLOTS]``
+    (up unused when plain), count ``[M, N_TILES]``; dense uint8 ``[M]``; scale fp32 ``[]`` =
+    ``l1_scale / M``. Writes dx ``[M, D]`` rows of sparse rows only, and ``dh`` (fp32, TwELL
+    shape) at their stored slots only (``dh`` includes the L1 term).
+    """
+    pid = tl.program_id(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    tiles = tl.arange(0, NT_P2)
+    t_ok = tiles < N_TILES
+    offs_c = tl.arange(0, CH)
+    scale = tl.load(scale_ptr)
+    for i in range(TOKENS):
+        t = pid * TOKENS + i
+        if t < M:
+            t64 = t.to(tl.int64)
+            if tl.load(dense_ptr + t64) == 0:
+                cnt = tl.load(count_ptr + t64 * N_TILES + tiles, mask=t_ok, other=0)
+                stored = tl.minimum(cnt, SLOTS)
+                incl = _cumsum(stored, axis=0)
+                excl = incl - stored
+                total = _sum(stored, axis=0)
+                g_row = tl.load(dout_ptr + t64 * stride_gm + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                acc = tl.full((BLOCK_D,), 0.0, tl.float32)
+                slot0 = t64 * N_TILES * SLOTS
+                for k0 in range(0, total, CH):
+                    # Pair k of the row's compact list is slot k - excl[tile] of the tile whose
+                    # inclusive prefix first exceeds k.
+                    k = k0 + offs_c
+                    k_ok = k < total
+                    tau = _sum((incl[None, :] <= k[:, None]).to(tl.int32), axis=1)
+                    base = _sum(tl.where(tiles[None, :] == tau[:, None], excl[None, :], 0), axis=1)
+                    slot = slot0 + (tau * SLOTS + k - base).to(tl.int64)
+                    j = tl.load(idx_ptr + slot, mask=k_ok, other=0).to(tl.int64)
+                    pre = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
+                    w_mask = k_ok[:, None] & d_ok[None, :]
+                    wdt = tl.load(wdt_ptr + j[:, None] * stride_wdt + offs_d[None, :], mask=w_mask, other=0.0)
+                    wu = tl.load(wu_ptr + j[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
+                    if GATED:
+                        up = tl.load(up_ptr + slot, mask=k_ok, other=0.0)
+                        wg = tl.load(wg_ptr + j[:, None] * stride_wg + offs_d[None, :], mask=w_mask, other=0.0)
+                    else:
+                        up = pre
+                        wg = wu
+                    act, hv = _hidden(pre, up, GATED)
+                    dh = _sum(wdt.to(tl.float32) * g_row[None, :], axis=1) + scale * _sign(hv)
+                    tl.store(dh_ptr + slot, dh, mask=k_ok)
+                    d_gate, d_up = _pair_grads(pre, up, act, dh, GATED)
+                    d_up = tl.where(k_ok, d_up, 0.0)
+                    acc += _sum(d_up[:, None] * wu.to(tl.float32), axis=0)
+                    if GATED:
+                        d_gate = tl.where(k_ok, d_gate, 0.0)
+                        acc += _sum(d_gate[:, None] * wg.to(tl.float32), axis=0)
+                tl.store(dx_ptr + t64 * stride_dxm + offs_d, acc.to(dx_ptr.dtype.element_ty), mask=d_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-4. Dense rows: coefficients over all H, then dx
+# ---------------------------------------------------------------------------------------------
+
+
+@_helper
+def _dense_tile(
+    x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, rows, r_ok, hc, h_ok, D,
+    stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, NATIVE: tl.constexpr,
+    BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """``(pre, up, dout·Wd)`` ``[BR, BH]`` for dense rows ``rows`` and neurons ``hc``, over all D.
+
+    ``pre`` is the gate pre-activation (gated) or the up one (plain, then ``up == pre``).
+    """
+    offs_k = tl.arange(0, BK)
+    up = tl.full((BR, BH), 0.0, tl.float32)
+    gate = tl.full((BR, BH), 0.0, tl.float32)
+    dhd = tl.full((BR, BH), 0.0, tl.float32)
+    for k0 in range(0, D, BK):
+        kk = k0 + offs_k
+        k_ok = kk < D
+        a_mask = r_ok[:, None] & k_ok[None, :]
+        b_mask = k_ok[:, None] & h_ok[None, :]
+        xa = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=a_mask, other=0.0)
+        ga = tl.load(dout_ptr + rows[:, None] * stride_gm + kk[None, :], mask=a_mask, other=0.0)
+        wut = tl.load(wu_ptr + hc[None, :] * stride_wu + kk[:, None], mask=b_mask, other=0.0)
+        wdtt = tl.load(wdt_ptr + hc[None, :] * stride_wdt + kk[:, None], mask=b_mask, other=0.0)
+        up = _dot(xa, wut, up, NATIVE)
+        dhd = _dot(ga, wdtt, dhd, NATIVE)
+        if GATED:
+            wgt = tl.load(wg_ptr + hc[None, :] * stride_wg + kk[:, None], mask=b_mask, other=0.0)
+            gate = _dot(xa, wgt, gate, NATIVE)
+    if HAS_BU:
+        up += tl.load(bu_ptr + hc, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        if HAS_BG:
+            gate += tl.load(bg_ptr + hc, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+        pre = gate
+    else:
+        pre = up
+    return pre, up, dhd
+
+
+@_helper
+def _dense_coefs(
+    x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale, rows, r_ok, hc, h_ok, D,
+    stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, NATIVE: tl.constexpr,
+    BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """``(dgate, dup, h)`` ``[BR, BH]`` of dense rows, zero outside ``r_ok × h_ok``."""
+    pre, up, dhd = _dense_tile(x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, rows, r_ok, hc, h_ok, D,
+                               stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
+                               GATED, HAS_BG, HAS_BU, NATIVE, BR, BH, BK)
+    act, hv = _hidden(pre, up, GATED)
+    d_gate, d_up = _pair_grads(pre, up, act, dhd + scale * _sign(hv), GATED)
+    ok = r_ok[:, None] & h_ok[None, :]
+    return tl.where(ok, d_gate, 0.0), tl.where(ok, d_up, 0.0), tl.where(ok, hv, 0.0)
+
+
+@triton.jit
+def _dense_coef_kernel(
+    # pointers
+    x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale_ptr, rows_ptr, ndense_ptr, coef_ptr,
+    # dimensions (PLANE = R_CAP · H, the stride between coefficient planes)
+    D, H, PLANE,
+    # row strides (elements)
+    stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
+    # meta-parameters
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, NATIVE: tl.constexpr,
+    BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """Scratch ``coef[0|1|2, i, j]`` = ``dgate``, ``dup``, ``h`` of dense row ``rows[i]``, neuron ``j``,
+    for the list positions ``i < min(n_dense, R_CAP)`` of this program's ``BR × BH`` block.
+    (Plain FFNs store ``dup`` and ``h`` at planes 0 and 1.)"""
+    i = tl.program_id(0) * BR + tl.arange(0, BR)
+    n_dense = tl.load(ndense_ptr)
+    if tl.program_id(0) * BR < n_dense:
+        r_ok = i < n_dense
+        rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
+        hc = tl.program_id(1) * BH + tl.arange(0, BH)
+        h_ok = hc < H
+        hc = hc.to(tl.int64)
+        d_gate, d_up, hv = _dense_coefs(x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, tl.load(scale_ptr),
+                                        rows, r_ok, hc, h_ok, D, stride_xm, stride_gm, stride_wg, stride_wu,
+                                        stride_wdt, GATED, HAS_BG, HAS_BU, NATIVE, BR, BH, BK)
+        at = i.to(tl.int64)[:, None] * H + hc[None, :]
+        ok = r_ok[:, None] & h_ok[None, :]
+        if GATED:
+            tl.store(coef_ptr + at, d_gate, mask=ok)
+            tl.store(coef_ptr + PLANE + at, d_up, mask=ok)
+            tl.store(coef_ptr + 2 * PLANE + at, hv, mask=ok)
+        else:
+            tl.store(coef_ptr + at, d_up, mask=ok)
+            tl.store(coef_ptr + PLANE + at, hv, mask=ok)
+
+
+@triton.jit
+def _dense_dx_kernel(
+    # pointers
+    x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale_ptr, rows_ptr, ndense_ptr, coef_ptr, dx_ptr,
+    # dimensions (R_CAP: list positions with scratch coefficients; PLANE = R_CAP · H)
+    D, H, R_CAP, PLANE,
+    # row strides (elements)
+    stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt, stride_dxm,
+    # meta-parameters
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, NATIVE: tl.constexpr,
+    BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+):
+    """``dx[rows[i], dblock] = Σ_j dgate[i, j] · Wg[j, dblock] + dup[i, j] · Wu[j, dblock]`` for the
+    ``BR`` list positions of this program (none past ``n_dense``: the program returns at once).
+    Coefficients come from the scratch for positions ``< R_CAP`` (a multiple of BR), else they are
+    recomputed over all D (``D / BD`` times the dense gate/up/down-grad products)."""
+    i0 = tl.program_id(0) * BR
+    n_dense = tl.load(ndense_ptr)
+    if i0 < n_dense:
+        i = i0 + tl.arange(0, BR)
+        r_ok = i < n_dense
+        rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
+        offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+        d_ok = offs_d < D
+        scale = tl.load(scale_ptr)
+        acc = tl.full((BR, BD), 0.0, tl.float32)
+        for h0 in range(0, H, BH):
+            hc = h0 + tl.arange(0, BH)
+            h_ok = hc < H
+            hc = hc.to(tl.int64)
+            if i0 < R_CAP:
+                at = i.to(tl.int64)[:, None] * H + hc[None, :]
+                ok = r_ok[:, None] & h_ok[None, :]
+                if GATED:
+                    d_gate = tl.load(coef_ptr + at, mask=ok, other=0.0)
+                    d_up = tl.load(coef_ptr + PLANE + at, mask=ok, other=0.0)
+                else:
+                    d_up = tl.load(coef_ptr + at, mask=ok, other=0.0)
+                    d_gate = d_up
+            else:
+                d_gate, d_up, _ = _dense_coefs(x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale,
+                                               rows, r_ok, hc, h_ok, D, stride_xm, stride_gm, stride_wg, stride_wu,
+                                               stride_wdt, GATED, HAS_BG, HAS_BU, NATIVE, BR, BH, BK)
+            w_mask = h_ok[:, None] & d_ok[None, :]
+            wu = tl.load(wu_ptr + hc[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
+            acc = _dot(d_up, wu, acc, False)
+            if GATED:
+                wg = tl.load(wg_ptr + hc[:, None] * stride_wg + offs_d[None, :], mask=w_mask, other=0.0)
+                acc = _dot(d_gate, wg, acc, False)
+        tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & d_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Weight gradients, neuron-major
+# ---------------------------------------------------------------------------------------------
+
+
+def _wgrad_configs():
+    if INTERPRET:
+        return [triton.Config({"BD": 32, "CK": 8}, num_warps=4, num_stages=1)]
+    # (D slice, pairs per chunk, warps). Not swept yet; BD = 256 keeps the [M, BD] slabs of x and
+    # dout that one sweep over the neurons gathers (16 MB at M = 16384, bf16) inside L2.
+    shapes = [(256, 8, 4), (256, 16, 8), (128, 8, 4), (128, 16, 4), (512, 8, 8), (64, 16, 2)]
+    return [triton.Config({"BD": bd, "CK": ck}, num_warps=w, num_stages=2) for bd, ck, w in shapes]
+
+
+def _prune_wgrad(configs, nargs, **kwargs):
+    """Drop D slices wider than D needs (keep the narrowest when none fits)."""
+    d_p2 = max(16, triton.next_power_of_2(nargs["D"]))
+    keep = [c for c in configs if c.kwargs["BD"] <= d_p2]
+    return keep or [min(configs, key=lambda c: c.kwargs["BD"])]
+
+
+@_helper
+def _neuron_dots(
+    x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, rows, r_ok, j, D,
+    stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
+    GATED: tl.constexpr, CR: tl.constexpr, BK: tl.constexpr,
+):
+    """``(x·Wg_j, x·Wu_j, dout·Wd[:, j])`` ``[CR]`` for dense rows ``rows``, over all D."""
+    offs_k = tl.arange(0, BK)
+    gate = tl.full((CR,), 0.0, tl.float32)
+    up = tl.full((CR,), 0.0, tl.float32)
+    dhd = tl.full((CR,), 0.0, tl.float32)
+    for k0 in range(0, D, BK):
+        kk = k0 + offs_k
+        k_ok = kk < D
+        a_mask = r_ok[:, None] & k_ok[None, :]
+        xa = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
+        ga = tl.load(dout_ptr + rows[:, None] * stride_gm + kk[None, :], mask=a_mask, other=0.0).to(tl.float32)
+        wu = tl.load(wu_ptr + j * stride_wu + kk, mask=k_ok, other=0.0).to(tl.float32)
+        wdt = tl.load(wdt_ptr + j * stride_wdt + kk, mask=k_ok, other=0.0).to(tl.float32)
+        up += _sum(xa * wu[None, :], axis=1)
+        dhd += _sum(ga * wdt[None, :], axis=1)
+        if GATED:
+            wg = tl.load(wg_ptr + j * stride_wg + kk, mask=k_ok, other=0.0).to(tl.float32)
+            gate += _sum(xa * wg[None, :], axis=1)
+    return gate, up, dhd
+
+
+@triton.autotune(configs=_wgrad_configs(), key=["D", "H", "GATED"], prune_configs_by={"early_config_prune": _prune_wgrad})
+@triton.jit
+def _wgrad_kernel(
+    # pointers: activations, pair data, dense rows, weights (for recomputation), outputs
+    x_ptr, dout_ptr, val_ptr, up_ptr, dh_ptr, nptr_ptr, list_ptr,
+    rows_ptr, ndense_ptr, coef_ptr,
+    wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale_ptr,
+    dwg_ptr, dwu_ptr, dwdt_ptr, dbg_ptr, dbu_ptr,
+    # dimensions (SLOT_ROW = N_TILES · SLOTS; PLANE = R_CAP · H)
+    D, H, SLOT_ROW, R_CAP, PLANE,
+    # row strides (elements)
+    stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
+    # meta-parameters
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
+    CR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, CK: tl.constexpr,
+):
+    """``dWg[j, dblock]``, ``dWu[j, dblock]``, ``dWdᵀ[j, dblock]`` (and ``dbg[j]``, ``dbu[j]`` from
+    the first D slice) for neuron ``j = program_id(0)``.
+
+    Sparse pairs: ``list[nptr[j]:nptr[j + 1]]`` (slot numbers; token = slot // SLOT_ROW), with
+    ``dgate``/``dup``/``h`` recomputed from TwELL ``val``, ``up`` and the ``dh`` that
+    ``_tokens_kernel`` stored. Dense rows: ``rows[:n_dense]``, coefficients from the scratch
+    ``coef [planes, R_CAP, H]`` for list positions ``< R_CAP`` (a multiple of CR), else recomputed.
+    dwg, dwu, dwdt ``[H, D]`` contiguous; every element written exactly once.
+    """
+    j = tl.program_id(0)
+    j64 = j.to(tl.int64)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_ok = offs_d < D
+    acc_g = tl.full((BD,), 0.0, tl.float32)
+    acc_u = tl.full((BD,), 0.0, tl.float32)
+    acc_d = tl.full((BD,), 0.0, tl.float32)
+
+    # Sparse pairs, in token order.
+    sum_g = tl.full((CK,), 0.0, tl.float32)
+    sum_u = tl.full((CK,), 0.0, tl.float32)
+    start = tl.load(nptr_ptr + j64)
+    end = tl.load(nptr_ptr + j64 + 1)
+    offs_k = tl.arange(0, CK)
+    for k0 in range(start, end, CK):
+        k = k0 + offs_k
+        k_ok = k < end
+        slot = tl.load(list_ptr + k, mask=k_ok, other=0).to(tl.int64)
+        tok = slot // SLOT_ROW
+        pre = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
+        dh = tl.load(dh_ptr + slot, mask=k_ok, other=0.0)
+        if GATED:
+            up = tl.load(up_ptr + slot, mask=k_ok, other=0.0)
+        else:
+            up = pre
+        act, hv = _hidden(pre, up, GATED)
+        d_gate, d_up = _pair_grads(pre, up, act, dh, GATED)
+        m2 = k_ok[:, None] & d_ok[None, :]
+        xr = tl.load(x_ptr + tok[:, None] * stride_xm + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        gr = tl.load(dout_ptr + tok[:, None] * stride_gm + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        d_up = tl.where(k_ok, d_up, 0.0)
+        hv = tl.where(k_ok, hv, 0.0)
+        acc_u += _sum(d_up[:, None] * xr, axis=0)
+        acc_d += _sum(hv[:, None] * gr, axis=0)
+        sum_u += d_up
+        if GATED:
+            d_gate = tl.where(k_ok, d_gate, 0.0)
+            acc_g += _sum(d_gate[:, None] * xr, axis=0)
+            sum_g += d_gate
+
+    # Dense rows, in list (= row) order.
+    dsum_g = tl.full((CR,), 0.0, tl.float32)
+    dsum_u = tl.full((CR,), 0.0, tl.float32)
+    n_dense = tl.load(ndense_ptr)
+    scale = tl.load(scale_ptr)
+    offs_r = tl.arange(0, CR)
+    for i0 in range(0, n_dense, CR):
+        i = i0 + offs_r
+        r_ok = i < n_dense
+        rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
+        if i0 < R_CAP:
+            at = i.to(tl.int64) * H + j64
+            if GATED:
+                d_gate = tl.load(coef_ptr + at, mask=r_ok, other=0.0)
+                d_up = tl.load(coef_ptr + PLANE + at, mask=r_ok, other=0.0)
+                hv = tl.load(coef_ptr + 2 * PLANE + at, mask=r_ok, other=0.0)
+            else:
+                d_up = tl.load(coef_ptr + at, mask=r_ok, other=0.0)
+                hv = tl.load(coef_ptr + PLANE + at, mask=r_ok, other=0.0)
+                d_gate = d_up
+        else:
+            gate, up, dhd = _neuron_dots(x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, rows, r_ok, j64, D,
+                                         stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt, GATED, CR, BK)
+            if HAS_BU:
+                up += tl.load(bu_ptr + j64).to(tl.float32)
+            if GATED:
+                if HAS_BG:
+                    gate += tl.load(bg_ptr + j64).to(tl.float32)
+                pre = gate
+            else:
+                pre = up
+            act, hv = _hidden(pre, up, GATED)
+            d_gate, d_up = _pair_grads(pre, up, act, dhd + scale * _sign(hv), GATED)
+            d_gate = tl.where(r_ok, d_gate, 0.0)
+            d_up = tl.where(r_ok, d_up, 0.0)
+            hv = tl.where(r_ok, hv, 0.0)
+        m2 = r_ok[:, None] & d_ok[None, :]
+        xr = tl.load(x_ptr + rows[:, None] * stride_xm + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        gr = tl.load(dout_ptr + rows[:, None] * stride_gm + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc_u += _sum(d_up[:, None] * xr, axis=0)
+        acc_d += _sum(hv[:, None] * gr, axis=0)
+        dsum_u += d_up
+        if GATED:
+            acc_g += _sum(d_gate[:, None] * xr, axis=0)
+            dsum_g += d_gate
+
+    out = j64 * D + offs_d
+    tl.store(dwu_ptr + out, acc_u.to(dwu_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(dwdt_ptr + out, acc_d.to(dwdt_ptr.dtype.element_ty), mask=d_ok)
+    if GATED:
+        tl.store(dwg_ptr + out, acc_g.to(dwg_ptr.dtype.element_ty), mask=d_ok)
+    if tl.program_id(1) == 0:
+        if HAS_BU:
+            tl.store(dbu_ptr + j64, (_sum(sum_u, axis=0) + _sum(dsum_u, axis=0)).to(dbu_ptr.dtype.element_ty))
+        if HAS_BG:
+            tl.store(dbg_ptr + j64, (_sum(sum_g, axis=0) + _sum(dsum_g, axis=0)).to(dbg_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(name: str, t, shape, dtypes, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def _rowmajor(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def backward_dense_rows(
+    dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked, forward_rows: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """bool ``[M]``: the rows the backward computes densely (``reference.backward_dense_rows_ref``).
+
+    Device ops only, no host synchronisation. ``forward_rows`` may pass the forward's guard rows
+    (``reference.dense_rows_ref``, or ``sparse_ffn.guard_rows`` which leaves out the overflow rows):
+    then the weights are not re-checked, and only the overflow rows and the ``dout`` terms are added.
+    """
+    if forward_rows is None:
+        return backward_dense_rows_ref(dout, x, wg, wu, wd, bg, bu, bd, packed)
+    rows = forward_rows | packed.overflow_rows() | ~torch.isfinite(dout).all(-1)
+    if wg is not None and x.shape[0] > 0:
+        rows |= _may_overflow(dout, wd.T, None, dout.dtype)
+    return rows
+
+
+def _dense_list(dense_rows: torch.Tensor):
+    """``(rows, n_dense)``: int32 ``[M]`` list of the flagged rows in increasing order (entries past
+    ``n_dense`` are unspecified) and int32 ``[1]`` count. Device ops, unique scatter targets."""
+    m = dense_rows.shape[0]
+    dev = dense_rows.device
+    csum = torch.cumsum(dense_rows.to(torch.int32), 0, dtype=torch.int32)
+    ar = torch.arange(m, dtype=torch.int32, device=dev)
+    target = torch.where(dense_rows, csum - 1, ar + m).long()  # the others go to a dump half
+    rows = torch.zeros(2 * m, dtype=torch.int32, device=dev)
+    rows.scatter_(0, target, ar)
+    return rows, csum[-1:]
+
+
+def sparse_ffn_backward(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    wg: Optional[torch.Tensor],
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    bg: Optional[torch.Tensor],
+    bu: Optional[torch.Tensor],
+    bd: Optional[torch.Tensor],
+    packed: TwellPacked,
+    up_val: torch.Tensor,
+    dense_rows: torch.Tensor,
+    l1_scale: torch.Tensor,
+    *,
+    layout: TwellLayout = DEFAULT_LAYOUT,
+    dense_scratch_rows: Optional[int] = None,
+) -> Grads:
+    """Gradients of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|`` for a TwELL FFN.
+
+    Equals ``reference.ffn_backward_ref`` with the same ``dense_rows`` up to fp32 summation order,
+    without synchronising the host.
+
+    Args:
+        dout: ``[M, D]`` gradient of the output, dtype of x.
+        x: ``[M, D]`` float16/bfloat16/float32 input of the forward.
+        wg: ``[H, D]`` gate weight (dtype of x), or ``None`` for a plain FFN.
+        wu: ``[H, D]`` up weight; wd: ``[D, H]`` down weight (``nn.Linear`` layouts, dtype of x).
+        bg, bu, bd: optional biases ``[H]``, ``[H]``, ``[D]`` (any float dtype); a gradient is
+            returned for each one given, ``None`` otherwise.
+        packed: the forward's TwELL buffer (gate pre-activation for gated, up for plain), fp32
+            values, in ``layout``; it must be a valid buffer (``format.py``).
+        up_val: fp32 ``[M, n_tiles, slots]`` up values at the stored slots (gated); ignored (may be
+            empty) for a plain FFN.
+        dense_rows: bool ``[M]``: rows computed by the dense formulas, with the semantics of
+            ``reference.backward_dense_rows_ref`` (``backward_dense_rows`` computes it). It must
+            include every overflowed row: their stored slots are incomplete.
+        l1_scale: 0-d float tensor on x's device, ``l1_coeff / n_layers`` (read on the device).
+        layout: the TwELL layout of ``packed``.
+        dense_scratch_rows: dense rows whose coefficients are kept in scratch (default: a 32 MiB
+            budget); rows past it are recomputed (exact, slower). Tests use small values.
+
+    Returns:
+        ``reference.Grads`` in the input dtypes. ``dwd`` is the transposed view of a contiguous
+        ``[H, D]`` tensor (the layout the reference returns too).
+
+    Example::
+
+        res = reference.ffn_forward_ref(x, wg, wu, wd, bg, bu, bd)
+        rows = backward_dense_rows(dout, x, wg, wu, wd, bg, bu, bd, res.packed)
+        grads = sparse_ffn_backward(dout, x, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, rows, scale)
+    """
+    # 1. Check shapes, dtypes and devices.
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, D], got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(wu, torch.Tensor) or wu.dim() != 2:
+        raise ValueError(f"wu must be a 2-D tensor [H, D], got {getattr(wu, 'shape', type(wu).__name__)}")
+    m, d = x.shape
+    h = wu.shape[0]
+    dev = x.device
+    _check("x", x, (m, d), _DTYPES, dev)
+    _check("dout", dout, (m, d), (x.dtype,), dev)
+    _check("wu", wu, (h, d), (x.dtype,), dev)
+    _check("wd", wd, (d, h), (x.dtype,), dev)
+    gated = wg is not None
+    if gated:
+        _check("wg", wg, (h, d), (x.dtype,), dev)
+    elif bg is not None:
+        raise ValueError("bg was given without wg: a plain FFN has no gate bias")
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    for name, b, n in (("bu", bu, h), ("bd", bd, d), ("bg", bg, h)):
+        if b is not None:
+            _check(name, b, (n,), floats, dev)
+    if not isinstance(packed, TwellPacked):
+        raise ValueError(f"packed must be a TwellPacked, got {type(packed).__name__}")
+    n_tiles, slots = layout.n_tiles(h), layout.slots
+    _check("packed.idx", packed.idx, (m, n_tiles, slots), (torch.int32,), dev)
+    _check("packed.val", packed.val, (m, n_tiles, slots), (torch.float32,), dev)
+    _check("packed.count", packed.count, (m, n_tiles), (torch.int32,), dev)
+    if gated:
+        _check("up_val", up_val, (m, n_tiles, slots), (torch.float32,), dev)
+    _check("dense_rows", dense_rows, (m,), (torch.bool,), dev)
+    if not isinstance(l1_scale, torch.Tensor) or l1_scale.numel() != 1 or not l1_scale.is_floating_point():
+        raise ValueError(f"l1_scale must be a 0-d float tensor, got {getattr(l1_scale, 'shape', type(l1_scale).__name__)}")
+    if l1_scale.device != dev:
+        raise ValueError(f"l1_scale is on {l1_scale.device} but x is on {dev}")
+    if dense_scratch_rows is not None and dense_scratch_rows < 0:
+        raise ValueError(f"dense_scratch_rows must be >= 0, got {dense_scratch_rows}")
+    if not INTERPRET and dev.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")
+
+    # 2. Allocate the outputs and the scratch.
+    dx = torch.empty(m, d, dtype=x.dtype, device=dev)
+    dwg = torch.empty(h, d, dtype=wg.dtype, device=dev) if gated else None
+    dwu = torch.empty(h, d, dtype=wu.dtype, device=dev)
+    dwdt = torch.empty(h, d, dtype=wd.dtype, device=dev)
+    dbg = torch.empty(h, dtype=bg.dtype, device=dev) if bg is not None else None
+    dbu = torch.empty(h, dtype=bu.dtype, device=dev) if bu is not None else None
+    dbd = dout.sum(0, dtype=torch.float32).to(bd.dtype) if bd is not None else None
+    if m == 0 or d == 0 or h == 0:
+        for t in (dx, dwg, dwu, dwdt, dbg, dbu):
+            if t is not None:
+                t.zero_()
+        return Grads(dx, dwg, dwu, dwdt.t(), dbg, dbu, dbd)
+
+    scale = (l1_scale.to(torch.float32) / m).reshape(())  # the reference's l1_scale / max(1, M)
+    x, dout, wu = _rowmajor(x), _rowmajor(dout), _rowmajor(wu)
+    wg_ = _rowmajor(wg) if gated else wu
+    wdt = wd.t().contiguous()  # [H, D]: column j of Wd as a contiguous row
+    idx, val, count = packed.idx.contiguous(), packed.val.contiguous(), packed.count.contiguous()
+    up = up_val.contiguous() if gated else val
+    dense_rows = dense_rows.contiguous()
+    dense_u8 = dense_rows.view(torch.uint8)
+    dummy = val  # stands in for absent biases; never read
+    bg_, bu_ = (bg if bg is not None else dummy), (bu if bu is not None else dummy)
+    dh = torch.empty(m, n_tiles, slots, dtype=torch.float32, device=dev)
+
+    nptr, lists = neuron_major(TwellPacked(idx, val, count), dense_rows, h, layout=layout)
+    rows, n_dense = _dense_list(dense_rows)
+    planes = 3 if gated else 2
+    m_pad = triton.cdiv(m, _BR) * _BR
+    if dense_scratch_rows is None:
+        r_cap = max(_BR, _DENSE_SCRATCH_BYTES // (4 * planes * h) // _BR * _BR)
+    else:
+        r_cap = triton.cdiv(dense_scratch_rows, _BR) * _BR
+    r_cap = min(r_cap, m_pad)
+    coef = torch.empty(planes, r_cap, h, dtype=torch.float32, device=dev) if r_cap else dummy
+
+    flags = dict(GATED=gated, HAS_BG=bg is not None, HAS_BU=bu is not None)
+    native = x.dtype != torch.float32 and not INTERPRET
+    w_strides = (wg_.stride(0), wu.stride(0), wdt.stride(0))
+    if INTERPRET:
+        bh, bk, bd_blk, warps = 32, 32, 32, 4
+    else:
+        # Dense rows are rare (overflow, guard): small row tiles waste little on an isolated row.
+        bh, bk, bd_blk, warps = 64, 64, 128, 4
+
+    # 3. Launch: sparse rows (dx, dh), dense rows (scratch, dx), then the weight gradients.
+    block_d = max(16, triton.next_power_of_2(d))
+    _tokens_kernel[lambda meta: (triton.cdiv(m, meta["TOKENS"]),)](
+        dout, wg_, wu, wdt, idx, val, up, count, dense_u8, scale, dx, dh,
+        m, d, h, n_tiles,
+        dout.stride(0), *w_strides, dx.stride(0),
+        GATED=gated, SLOTS=slots, NT_P2=max(2, triton.next_power_of_2(n_tiles)), BLOCK_D=block_d,
+    )
+    dense_args = (x, dout, wg_, wu, wdt, bg_, bu_, scale, rows, n_dense, coef)
+    if r_cap:
+        _dense_coef_kernel[(r_cap // _BR, triton.cdiv(h, bh))](
+            *dense_args, d, h, r_cap * h, x.stride(0), dout.stride(0), *w_strides,
+            **flags, NATIVE=native, BR=_BR, BH=bh, BK=bk, num_warps=warps,
+        )
+    _dense_dx_kernel[(m_pad // _BR, triton.cdiv(d, bd_blk))](
+        *dense_args, dx, d, h, r_cap, r_cap * h, x.stride(0), dout.stride(0), *w_strides, dx.stride(0),
+        **flags, NATIVE=native, BR=_BR, BH=bh, BK=bk, BD=bd_blk, num_warps=warps,
+    )
+    _wgrad_kernel[lambda meta: (h, triton.cdiv(d, meta["BD"]))](
+        x, dout, val, up, dh, nptr, lists, rows, n_dense, coef,
+        wg_, wu, wdt, bg_, bu_, scale,
+        dwg if gated else dwu, dwu, dwdt, dbg if dbg is not None else dummy, dbu if dbu is not None else dummy,
+        d, h, n_tiles * slots, r_cap, r_cap * h,
+        x.stride(0), dout.stride(0), *w_strides,
+        **flags, CR=_BR, BK=bk,
+    )
+    return Grads(dx, dwg, dwu, dwdt.t(), dbg, dbu, dbd)
