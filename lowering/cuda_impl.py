@@ -38,6 +38,10 @@ SPARSE_MAX_DENSE_ROWS = 0.02
 L1_EVERY = 8
 
 
+# Benchmarks set this to "sparse" or "dense" to time one path whatever the policy would choose.
+FORCE_PATH: Optional[str] = None
+
+
 class _LayerPolicy:
     """Per (layer, device): the path to take, from the last completed counters copy."""
 
@@ -100,7 +104,8 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     is None; the telemetry then counts the rows that would have overflowed (an estimate).
     """
     policy = _policy(layer, x2d.device)
-    sparse = policy.choose() and x2d.dtype != torch.float64
+    sparse = policy.choose() if FORCE_PATH is None else FORCE_PATH == "sparse"
+    sparse = sparse and x2d.dtype != torch.float64
     want_l1 = training and policy.calls % L1_EVERY == 0
     if sparse:
         res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, want_l1)
@@ -164,11 +169,11 @@ def _sampled_counts(pre: torch.Tensor, n_tiles: int):
 
 def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, want_l1: bool) -> reference.ForwardResult:
     from twell_compile.kernels.gate_pack import gate_pack
-    from twell_compile.kernels.sparse_ffn import guard_rows, sparse_ffn
+    from twell_compile.kernels.sparse_ffn import sparse_ffn
 
     gated = wg is not None
     packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
-    guard = guard_rows(x2d, wg, wu, wd, bg, bu, bd)
+    guard = _guard_rows(x2d, wg, wu, wd, bg, bu, bd)
     out, up_val = sparse_ffn(x2d, packed, wu, wd, bu, bd, dense_rows=guard, wg=wg, bg=bg, return_up=True)
     dense_rows = packed.overflow_rows() | guard
     l1 = None
@@ -183,9 +188,9 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     """Gradients of ``loss + l1_scale · L1``, on the path the forward took."""
     if _DENSE_FORWARDS.get(packed.count.data_ptr(), False) or x2d.dtype == torch.float64:
         return _dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale)
-    from twell_compile.kernels.sparse_ffn_bwd import backward_dense_rows, sparse_ffn_backward
+    from twell_compile.kernels.sparse_ffn_bwd import sparse_ffn_backward
 
-    dense_rows = backward_dense_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed)
+    dense_rows = _backward_guard_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed)
     return sparse_ffn_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, dense_rows, l1_scale)
 
 
@@ -209,3 +214,66 @@ def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale) -> reference.Grad
         dbu=d_up.sum(0) if bu is not None else None,
         dbd=dout.sum(0) if bd is not None else None,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The finiteness guard (kernels/reference.py, "Exactness guard"), in one pass over the rows
+# ---------------------------------------------------------------------------------------------
+
+
+class _WeightFacts:
+    """Per-call facts about the weights, cached while the weights are unchanged.
+
+    The key holds each tensor's storage pointer and in-place version counter, so an optimizer step
+    (which bumps ``_version``) invalidates it. Under CUDA-graph capture nothing is cached: the facts
+    are recomputed inside the graph, so replays see the weights of their own step.
+    """
+
+    _cache: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+    @classmethod
+    def get(cls, wg, wu, wd, bg, bu, bd):
+        tensors = (wg, wu, wd, bg, bu, bd)
+        capturing = torch.cuda.is_current_stream_capturing()
+        key = tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
+        if not capturing and key in cls._cache:
+            return cls._cache[key]
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors if t is not None]).all()
+        up_norm = torch.linalg.vector_norm(wu, dim=-1, dtype=torch.float32).max()
+        up_bias = bu.float().abs().max() if bu is not None else torch.zeros((), device=wu.device)
+        down_norm = torch.linalg.vector_norm(wd, dim=0, dtype=torch.float32).max()  # columns of Wd
+        facts = (finite, up_norm, up_bias, down_norm)
+        if not capturing:
+            cls._cache[key] = facts
+            while len(cls._cache) > 256:
+                cls._cache.popitem(last=False)
+        return facts
+
+
+def _limit(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def _guard_rows(x, wg, wu, wd, bg, bu, bd) -> torch.Tensor:
+    """bool [M]: rows the forward computes densely besides overflowed tiles.
+
+    One fused reduction reads x once: a non-finite row has a non-finite norm, and for gated FFNs
+    ``‖x_t‖·max‖Wu_j‖ + max|bu|`` bounds the up projection (a huge finite row is flagged too,
+    which only costs speed).
+    """
+    finite, up_norm, up_bias, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd)
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    if wg is not None:
+        bad = ~(norms * up_norm + up_bias < _limit(x.dtype))  # NaN → flagged
+    else:
+        bad = ~torch.isfinite(norms)
+    return bad | ~finite
+
+
+def _backward_guard_rows(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked) -> torch.Tensor:
+    """bool [M]: backward dense rows: the forward's (recomputed), overflowed rows, and rows of
+    ``dout`` that are non-finite or, gated, whose ``dh = dout·Wd`` may overflow."""
+    _, _, _, down_norm = _WeightFacts.get(wg, wu, wd, bg, bu, bd)
+    norms = torch.linalg.vector_norm(dout, dim=-1, dtype=torch.float32)
+    bad = ~(norms * down_norm < _limit(dout.dtype)) if wg is not None else ~torch.isfinite(norms)
+    return bad | _guard_rows(x, wg, wu, wd, bg, bu, bd) | packed.overflow_rows()

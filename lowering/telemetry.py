@@ -25,10 +25,17 @@ def _buffer(layer: int, device: torch.device) -> torch.Tensor:
     buf = _buffers.get(key)
     if buf is None:
         with _lock:
-            fresh = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
-            fresh[_L1] = float("nan")  # no training call yet
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():  # a real buffer, even mid-compile
+                fresh = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
+                fresh[_L1] = float("nan")  # no training call yet
             buf = _buffers.setdefault(key, fresh)
     return buf
+
+
+def ensure(layer: int, device) -> None:
+    """Allocate ``layer``'s buffer now (at rewrite time), not during a CUDA-graph warm-up, where
+    it would land in the graph's memory pool as an untracked live allocation."""
+    _buffer(layer, torch.device(device))
 
 
 def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tensor, l1: Optional[torch.Tensor], sparse: bool) -> torch.Tensor:

@@ -5,9 +5,10 @@ density of active gate units is controlled by a constant feature ``x[:, 0] = 1``
 column set to minus the normal quantile of the target density (per neuron in the skewed variant).
 Inputs are random, never zeros.
 
-Providers: dense eager (cuBLAS through PyTorch), dense ``torch.compile`` (Inductor), and TwELL
-(``torch.ops.twell.ffn`` for inference; ``ffn_train`` forward + backward with the L1 term for
-training). Times are medians over CUDA-event-timed repetitions after warm-up; speedups are dense
+Providers: dense eager (cuBLAS through PyTorch), dense ``torch.compile`` (Inductor), the TwELL op
+as dispatched (``torch.ops.twell.ffn`` for inference; ``ffn_train`` forward + backward with the L1
+term for training; its per-layer policy picks the sparse or the dense path), and the TwELL op with
+the Triton sparse path forced on. Times are medians over CUDA-event-timed repetitions after warm-up; speedups are dense
 eager time ÷ TwELL time, from the same run. Each point also reports the relative error against a
 float64 reference and, for training, the peak memory of one step.
 """
@@ -42,9 +43,11 @@ class Row:
     active_per_token: float
     dense_eager_ms: float
     dense_compiled_ms: float
-    twell_ms: float
+    twell_ms: float  # the op as dispatched (its policy picks sparse or dense per layer)
+    twell_sparse_ms: float  # the Triton sparse path forced on (NaN where not measured)
     speedup_vs_eager: float
     speedup_vs_compiled: float
+    sparse_speedup_vs_eager: float
     rel_err_twell: float
     rel_err_dense: float
     peak_mem_dense_mb: float = float("nan")
@@ -118,7 +121,13 @@ def peak_mb(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, l1_coeff=2e-5) -> Row:
+def _forced(path: Optional[str]):
+    from twell_compile.lowering import cuda_impl
+
+    cuda_impl.FORCE_PATH = path
+
+
+def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sparse_train_density, l1_coeff=2e-5) -> Row:
     x, wg, wu, wd = make_problem(m, d, h, density, skewed=skewed)
     with torch.no_grad():
         gate = F.linear(x, wg)
@@ -126,7 +135,9 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, l1_coe
         del gate
         ref = dense_ffn(x.double(), wg.double(), wu.double(), wd.double())
         dense_out = dense_ffn(x, wg, wu, wd)
+        _forced("sparse")  # the error column is the sparse kernels'
         twell_out = torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000)
+        _forced(None)
     err_twell, err_dense = rel_error(twell_out, ref), rel_error(dense_out, ref)
     del ref, dense_out, twell_out
     compiled = compiled_cache.setdefault(("train" if train else "infer"), torch.compile(dense_train_step if train else dense_ffn))
@@ -135,6 +146,9 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, l1_coe
             t_eager = median_ms(lambda: dense_ffn(x, wg, wu, wd), reps=reps)
             t_comp = median_ms(lambda: compiled(x, wg, wu, wd), reps=reps)
             t_twell = median_ms(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000), reps=reps)
+            _forced("sparse")
+            t_sparse = median_ms(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_001), reps=reps)
+            _forced(None)
         mem_dense = mem_twell = float("nan")
     else:
         params = [t.detach().requires_grad_() for t in (x, wg, wu, wd)]
@@ -144,22 +158,28 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, l1_coe
         t_comp = median_ms(lambda: compiled(*params, dout, l1_coeff), reps=reps)
         t_twell = median_ms(lambda: twell_train_step(*params, dout, coeff), reps=reps)
         mem_dense = peak_mb(lambda: dense_train_step(*params, dout, l1_coeff))
-        mem_twell = peak_mb(lambda: twell_train_step(*params, dout, coeff))
+        t_sparse = mem_twell = float("nan")
+        if measured <= max_sparse_train_density:  # the forced sparse backward is slow when dense
+            _forced("sparse")
+            t_sparse = median_ms(lambda: twell_train_step(*params, dout, coeff), warmup=2, reps=max(3, reps // 3))
+            mem_twell = peak_mb(lambda: twell_train_step(*params, dout, coeff))
+            _forced(None)
     return Row(
         "training" if train else "inference", m, d, h, "skewed" if skewed else "uniform", density, measured, measured * h,
-        t_eager, t_comp, t_twell, t_eager / t_twell, t_comp / t_twell, err_twell, err_dense, mem_dense, mem_twell,
+        t_eager, t_comp, t_twell, t_sparse, t_eager / t_twell, t_comp / t_twell, t_eager / t_sparse, err_twell, err_dense, mem_dense, mem_twell,
     )
 
 
 def print_table(rows: list[Row], file=sys.stdout) -> None:
-    header = f"{'mode':<9} {'M':>6} {'variant':<7} {'density':>7} {'act/tok':>7} {'eager ms':>8} {'compiled':>8} {'twell ms':>8} {'x eager':>7} {'x comp':>7} {'err twell':>9} {'err dense':>9} {'mem d/t MB':>13}"
+    header = f"{'mode':<9} {'M':>6} {'variant':<7} {'density':>7} {'act/tok':>7} {'eager ms':>8} {'compiled':>8} {'twell op':>8} {'x eager':>7} {'x comp':>7} {'sparse ms':>9} {'x eager':>7} {'err sparse':>10} {'err dense':>9} {'mem d/s MB':>13}"
     print(header, file=file)
     print("-" * len(header), file=file)
     for r in rows:
         mem = "" if math.isnan(r.peak_mem_dense_mb) else f"{r.peak_mem_dense_mb:.0f}/{r.peak_mem_twell_mb:.0f}"
         print(
             f"{r.mode:<9} {r.m:>6} {r.variant:<7} {r.measured_density:>7.2%} {r.active_per_token:>7.1f} {r.dense_eager_ms:>8.3f} {r.dense_compiled_ms:>8.3f} "
-            f"{r.twell_ms:>8.3f} {r.speedup_vs_eager:>6.2f}x {r.speedup_vs_compiled:>6.2f}x {r.rel_err_twell:>9.2e} {r.rel_err_dense:>9.2e} {mem:>13}",
+            f"{r.twell_ms:>8.3f} {r.speedup_vs_eager:>6.2f}x {r.speedup_vs_compiled:>6.2f}x {r.twell_sparse_ms:>9.3f} {r.sparse_speedup_vs_eager:>6.2f}x "
+            f"{r.rel_err_twell:>10.2e} {r.rel_err_dense:>9.2e} {mem:>13}",
             file=file,
         )
 
@@ -183,8 +203,9 @@ def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
     groups = sorted({(r.mode, r.m, r.variant) for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, m, variant in groups:
-        pts = sorted((r.measured_density, r.speedup_vs_eager) for r in rows if (r.mode, r.m, r.variant) == (mode, m, variant))
-        ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=f"{mode}, M={m}, {variant}")
+        pts = sorted((r.measured_density, r.speedup_vs_eager, r.sparse_speedup_vs_eager) for r in rows if (r.mode, r.m, r.variant) == (mode, m, variant))
+        line = ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=f"twell op: {mode}, M={m}, {variant}")[0]
+        ax.plot([p[0] * 100 for p in pts], [p[2] for p in pts], marker="x", ls=":", color=line.get_color(), label=f"sparse kernels forced: {mode}, M={m}, {variant}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("density of h (% of H active per token)")
@@ -208,6 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=["inference", "training"], default=["inference", "training"])
     parser.add_argument("--skewed", action="store_true", help="also run per-neuron skewed densities")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per point (median reported)")
+    parser.add_argument("--max-sparse-train-density", type=float, default=0.021, help="time the forced sparse training path only up to this density (it is slow when dense)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv and the PNG plot")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -228,7 +250,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         points_iter = points
     t0 = time.time()
     for mode, m, skewed, density in points_iter:
-        rows.append(bench_point(m, args.d, args.h, density, skewed=skewed, train=(mode == "training"), compiled_cache=compiled_cache, reps=args.reps))
+        rows.append(bench_point(m, args.d, args.h, density, skewed=skewed, train=(mode == "training"), compiled_cache=compiled_cache, reps=args.reps, max_sparse_train_density=args.max_sparse_train_density))
         torch.cuda.empty_cache()
     print(f"\ntwell bench on {torch.cuda.get_device_name()} (torch {torch.__version__}), gated FFN bf16, D={args.d}, H={args.h}; {time.time() - t0:.0f} s")
     print_table(rows)

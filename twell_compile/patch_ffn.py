@@ -78,6 +78,7 @@ def patch(model: nn.Module, **options) -> PatchResult:
     coefficients: dict[str, torch.Tensor] = {}
     for where, mod, traced, m in found:
         layer = reporting.new_layer_id()
+        lowering.telemetry.ensure(layer, next(mod.parameters()).device)
         mod.forward = _patched_forward(mod, _attribute_paths(m), len(found), layer, opts.l1_coeff, coefficients)
         setattr(mod, _PATCHED_ATTR, layer)
         reporting.name_patched_layer(layer, where)

@@ -69,6 +69,7 @@ def _non_overlapping(matches: list[FfnMatch]) -> list[FfnMatch]:
 def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, n_layers: int, fake_mode, graph_name: str, replaced: dict) -> Rewritten:
     graph = gm.graph
     layer = reporting.new_layer_id()
+    lowering.telemetry.ensure(layer, _val(m.x).device)
     dtype = m.compute_dtype
     with graph.inserting_before(m.down.out):
 
