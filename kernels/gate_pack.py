@@ -10,8 +10,11 @@ without talking to any other program:
 * the entries with ``rank < slots`` are scattered to slot ``rank`` (first actives, increasing
   column order); ``count`` is stored uncapped, so ``count > slots`` marks an overflow.
 
-The dense ``pre`` never reaches global memory. This is ``reference.gate_pack_ref`` (fp32
-arithmetic; only the summation order differs).
+The dense ``pre`` never reaches global memory. For 16-bit inputs ``pre`` overflows to ±Inf where
+rounding it to the input dtype would (``reference.overflow_like``), as the dense gate does. This is
+``reference.gate_pack_ref`` up to fp32 summation order (the reference sums fp32 inputs in float64).
+The epilogue runs on ``EPI_SPLIT`` row slices of the tile: a whole 128-row tile at once needs a
+rank and an address per element on top of the accumulator, and spills.
 
 Bytes, for 16-bit inputs (``e`` = element size, ``a`` = stored actives per row):
 
@@ -36,6 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed
+from .reference import OVERFLOW_THRESHOLD
 
 # Triton's interpreter (CPU tests) computes bf16 tl.dot wrongly and cannot autotune over several
 # configs (DESIGN.md section 9); it must be set before this module is imported.
@@ -53,23 +57,29 @@ def _set_tma_blocks(nargs) -> None:
 
 
 def _cuda_configs():
-    # (BLOCK_M, BLOCK_K, warps, stages). BLOCK_N is fixed by the format (one TwELL tile). The
-    # floor in DESIGN.md section 10 (plain Triton GEMM + ReLU, H200, bf16, D=2048, H=5632,
-    # M=16384) was best at 256x128x64, 8 warps, 3 stages; the others cover small M and fp32.
-    shapes = [(128, 64, 4, 4), (128, 64, 8, 3), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (64, 32, 4, 3)]
+    # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT); BLOCK_N is the format's tile_n. The floor in
+    # DESIGN.md section 10 (plain Triton GEMM + ReLU, H200, bf16, D=2048, H=5632, M=16384) was best
+    # at 256x128x64, 8 warps, 3 stages. Kept: tiles that compile for sm90 without spills (ptxas -v,
+    # bf16 TMA and pointers, fp32 pointers), plus 256x128 with a small epilogue spill; BLOCK_K <= 64
+    # keeps a TMA box row within the 128-byte swizzle. Not timed yet.
+    shapes = [
+        (128, 64, 8, 3, 4), (128, 64, 8, 4, 4), (256, 64, 8, 3, 8), (64, 64, 4, 4, 4),
+        (128, 32, 8, 3, 4), (64, 32, 4, 3, 4),
+    ]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s, pre_hook=_set_tma_blocks)
-        for bm, bk, w, s in shapes
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": e}, num_warps=w, num_stages=s, pre_hook=_set_tma_blocks)
+        for bm, bk, w, s, e in shapes
     ]
 
 
 def _configs():
     if INTERPRET:  # one config: multi-config autotuning needs a GPU driver
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1, pre_hook=_set_tma_blocks)]
+        config = {"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 4}
+        return [triton.Config(config, num_warps=4, num_stages=1, pre_hook=_set_tma_blocks)]
     return _cuda_configs()
 
 
-@triton.autotune(configs=_configs(), key=["D", "H"])
+@triton.autotune(configs=_configs(), key=["D", "H", "USE_TMA", "IEEE"])
 @triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _gate_pack_kernel(
@@ -80,9 +90,9 @@ def _gate_pack_kernel(
     # strides (elements)
     stride_xm, stride_xk, stride_wn, stride_wk,
     # meta-parameters
-    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Pack ``pre = x @ wᵀ + b`` into TwELL, one ``BLOCK_M × BLOCK_N`` tile per program.
 
@@ -143,21 +153,76 @@ def _gate_pack_kernel(
     col_ok = cols < H
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    acc = overflow_like(acc, OVF)
 
-    # Epilogue: rank the actives of each tile row and scatter the first SLOTS of them.
-    le_zero = acc <= 0.0
-    active = (le_zero == 0) & col_ok[None, :]  # not (pre <= 0): NaN counts as active
-    ones = active.to(tl.int32)
-    rank = tl.cumsum(ones, axis=1) - 1
-    count = tl.sum(ones, axis=1)
+    # Epilogue on EPI_SPLIT row slices of the tile: packing a 128x128 tile at once holds a rank and
+    # an address per element on top of the accumulator, which spills (ptxas -v, sm90, bf16).
+    if EPI_SPLIT == 1:
+        _pack_rows(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+    elif EPI_SPLIT == 2:
+        _pack_halves(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+    elif EPI_SPLIT == 4:
+        _pack_quarters(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+    else:
+        tl.static_assert(EPI_SPLIT == 8, "EPI_SPLIT must be 1, 2, 4 or 8")
+        top, bottom = _split_rows(acc)
+        _pack_quarters(top, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+        _pack_quarters(bottom, pid_m * BLOCK_M + BLOCK_M // 2, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr,
+                       M, N_TILES, SLOTS)
+
+
+@triton.jit
+def overflow_like(v, OVF: tl.constexpr):
+    """``reference.overflow_like``: ±Inf where rounding fp32 ``v`` to the input dtype would overflow.
+
+    ``OVF`` is ``reference.OVERFLOW_THRESHOLD`` of a 16-bit input dtype, or 0 for fp32 inputs
+    (their fp32 arithmetic overflows at that point by itself).
+    """
+    if OVF > 0:
+        v = tl.where(tl.abs(v) >= OVF, tl.where(v > 0, float("inf"), float("-inf")), v)
+    return v
+
+
+@triton.jit
+def _split_rows(t):
+    """``t [R, N]`` -> its first and last ``R/2`` rows."""
+    return tl.split(tl.permute(tl.reshape(t, (2, t.shape[0] // 2, t.shape[1])), (1, 2, 0)))
+
+
+@triton.jit
+def _pack_halves(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr):
+    top, bottom = _split_rows(pre)
+    _pack_rows(top, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+    _pack_rows(bottom, row0 + pre.shape[0] // 2, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+
+
+@triton.jit
+def _pack_quarters(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr):
+    top, bottom = _split_rows(pre)
+    _pack_halves(top, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+    _pack_halves(bottom, row0 + pre.shape[0] // 2, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+
+
+@triton.jit
+def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr):
+    """Pack the rows ``row0 + i`` of ``pre [R, BLOCK_N]`` (fp32, one TwELL tile) into TwELL."""
+    rows = row0 + tl.arange(0, pre.shape[0])
     row_ok = rows < M
-    rows64 = rows.to(tl.int64)
-    slot_off = rows64[:, None] * (N_TILES * SLOTS) + pid_n * SLOTS + rank
+    active = ((pre <= 0.0) == 0) & col_ok[None, :]  # not (pre <= 0): NaN counts as active
+    ones = active.to(tl.int32)
+    rank = tl.cumsum(ones, axis=1) - 1  # slot of each active entry: first actives first
+    count = tl.sum(ones, axis=1)
     keep = active & (rank < SLOTS) & row_ok[:, None]
-    col_2d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + cols[None, :]
-    tl.store(idx_ptr + slot_off, col_2d, mask=keep)
-    tl.store(val_ptr + slot_off, acc, mask=keep)
+    rows64 = rows.to(tl.int64)
+    slot = (rows64 * (N_TILES * SLOTS) + pid_n * SLOTS)[:, None] + rank
+    tl.store(idx_ptr + slot, cols[None, :] + tl.zeros(pre.shape, dtype=tl.int32), mask=keep)
+    tl.store(val_ptr + slot, pre, mask=keep)
     tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok)
+
+
+def overflow_threshold(dtype: torch.dtype) -> float:
+    """The ``OVF`` constexpr of ``overflow_like`` for inputs of ``dtype``."""
+    return 0.0 if dtype == torch.float32 else float(OVERFLOW_THRESHOLD[dtype])
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -227,8 +292,13 @@ def gate_pack(
 
     # 3. Launch.
     if use_tma is None:
+        # fp32 (IEEE products, no tensor cores) compiles to heavy spills through TMA on sm90.
         use_tma = (
-            not INTERPRET and torch.cuda.get_device_capability(x.device)[0] >= 9 and _tma_ok(x) and _tma_ok(w)
+            not INTERPRET
+            and x.dtype != torch.float32
+            and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and _tma_ok(x)
+            and _tma_ok(w)
         )
     elif use_tma and not (_tma_ok(x) and _tma_ok(w)):
         raise ValueError("use_tma=True needs x and w with unit last stride and 16-byte aligned rows")
@@ -244,6 +314,7 @@ def gate_pack(
         m, d, h, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         HAS_BIAS=b is not None, USE_TMA=bool(use_tma), IEEE=x.dtype == torch.float32, INTERPRET=INTERPRET,
+        OVF=overflow_threshold(x.dtype),
         SLOTS=layout.slots, BLOCK_N=layout.tile_n, GROUP_M=_GROUP_M,
     )
     return packed

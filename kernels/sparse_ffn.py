@@ -1,41 +1,55 @@
 """Fused TwELL consumer: the up and down projections on the packed (token, neuron) pairs only.
 
-Math (``reference.ffn_forward_ref``). For every stored pair ``(t, j)`` of a row that is not dense:
+Math (``reference.ffn_forward_ref``). For every stored pair ``(t, j)`` of a sparse row:
 
 * gated: ``up = x_t · Wu_j + bu_j`` and ``h = relu(g_tj) · up``, with ``g`` the packed gate value;
 * plain: ``h = relu(u_tj)``, with ``u`` the packed up pre-activation;
 
-and ``out_t = Σ_j h · Wd[:, j] + bd``, accumulated in fp32 and cast once to the output dtype.
+and ``out_t = Σ_j h · Wd[:, j] + bd``, in fp32, cast once to the output dtype. ``relu`` keeps NaN
+(``where(v <= 0, 0, v)``), and for 16-bit inputs up, gate and h overflow to ±Inf where dense
+PyTorch's rounding to the input dtype would (``reference.overflow_like``).
 
-Two ways a row leaves the pair loop, both exact:
+Rows that the pair loop cannot finish exactly take one of two dense routes; results are the same
+up to rounding whichever is taken:
 
-* a tile row whose ``count`` exceeds its slots (overflow) is recomputed densely over its
-  ``tile_n`` columns inside the same program, from ``x`` (gate and up for gated, up for plain);
-* rows flagged in ``dense_rows`` (overflow rows and the finiteness guard of
-  ``reference.dense_rows_ref``) are computed by a second kernel as a blocked dense FFN over all H.
+* a row with 1..``max_tile_recompute`` overflowed tiles (``count > slots``) and no dense flag
+  recomputes just those tiles, over their ``tile_n`` columns, from ``x`` in the same program;
+* a row flagged in ``dense_rows`` (the finiteness guard of ``reference.dense_rows_ref``, or any
+  row the caller wants dense), or with more overflowed tiles, is computed by a second kernel as a
+  blocked dense FFN over all H, with gate and up recomputed from ``x``.
 
 Kernels:
 
 * ``_sparse_ffn_kernel``: a program owns ``TOKENS`` consecutive tokens (neighbouring tokens share
-  neurons, so their weight rows hit in L1/L2) and handles them one after the other with the whole
-  x row and output row in registers. A token's stored pairs are enumerated as one compact list
-  (a prefix sum over its tile counts, then a search per chunk), ``CH`` pairs at a time: one
-  ``[CH, D]`` gather of ``Wu`` rows, ``CH`` dot products, one ``[CH, D]`` gather of ``Wdᵀ`` rows.
+  neurons in real models, so their weight rows can hit in L1) and handles them one after the
+  other, with the x row and the output row in registers. The token's whole TwELL row is loaded
+  once and its stored pairs numbered 0..a-1 by a prefix sum over the tile counts; the loop then
+  takes ``CH`` pairs at a time (picked out of the row with a one-hot reduction, so no dependent
+  global load sits in the loop): one ``[CH, D]`` gather of ``Wdᵀ`` rows and one of ``Wu`` rows,
+  issued together, ``CH`` dot products, one rank-``CH`` update of the output row.
 * ``_dense_rows_kernel``: one program per (``BM`` rows, ``BD`` output columns); it returns at once
-  unless a row of its block is flagged, then runs gate/up/down with ``tl.dot`` over all H and
-  stores the flagged rows only.
+  unless a row of its block is whole-dense, then runs gate/up/down with ``tl.dot`` over all H and
+  stores those rows only. Gate and up are recomputed for each of the ``D / BD`` column blocks.
 
 Bytes, 16-bit weights (``e = 2``), ``a`` stored pairs per token:
 
-* read per token: x row ``D·e``, the packed row (``n_tiles·4`` + ``a·8``), and ``a`` weight rows
-  of ``Wu`` and ``Wdᵀ``: ``2·a·D·e`` (8 KiB per pair at D=2048), served from L2 (the 46 MB of
-  bf16 weights fit the H200's 60 MB L2);
+* read per token: x row ``D·e``, the packed row (``n_tiles·4`` + ``a·8``), and ``a`` rows of ``Wu``
+  and of ``Wdᵀ``: ``2·a·D·e`` (8 KiB per pair at D=2048), from L2 (the 46 MB of bf16 weights of
+  D=2048, H=5632 fit the H200's 60 MB L2; they are loaded with ``evict_last``);
 * written per token: ``D·e_out`` (+ ``n_tiles·slots·4`` with ``return_up``).
 
+Expected speed (an estimate, not measured: these kernels have not run on a GPU yet). The pair loop
+moves the same 8 KiB per pair as the naive one-token-per-program kernel of DESIGN.md section 10,
+whose L2-bound floor was ~9 TB/s: at M=16384, D=2048, H=5632, bf16 that is ~0.26 ms at 17 active
+neurons per token, ~0.42 ms at 28 (0.5%), ~1.6 ms at 114 (2%). What it adds over the naive kernel
+is memory-level parallelism (``CH`` rows of each matrix in flight per program instead of one) and
+same-program token reuse; with uniformly random neurons neither reduces the bytes, so expect the
+floor, not better.
+
 ``Wd`` is ``[D, H]`` (``nn.Linear``); its columns are rows of ``Wdᵀ``, so the launcher makes
-``wd.t().contiguous()`` ([H, D]) on every call: ``2·H·D·e`` bytes of copy traffic (46 MB, about
-10 µs on an H200 at D=2048, H=5632). No copy is made when ``wd`` already is the transposed view of
-a contiguous ``[H, D]`` tensor, so a caller that keeps ``Wdᵀ`` can pass ``wdt.t()``.
+``wd.t().contiguous()`` ([H, D]) on every call: ``2·H·D·e`` bytes of copy traffic (46 MB, ~10 µs on
+an H200 at D=2048, H=5632). No copy is made when ``wd`` already is the transposed view of a
+contiguous ``[H, D]`` tensor, so a caller that keeps ``Wdᵀ`` can pass ``wdt.t()``.
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ import triton
 import triton.language as tl
 
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
+from .gate_pack import overflow_threshold
 from .reference import _finite, _may_overflow
 
 # Set before import (DESIGN.md section 9): the interpreter computes bf16 tl.dot wrongly and cannot
@@ -55,6 +70,18 @@ from .reference import _finite, _may_overflow
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# An unflagged row with at most this many overflowed tiles recomputes just those tiles (3·128
+# weight rows each, ~1.5 MB of L2 reads at D=2048); a row with more goes to the blocked dense
+# kernel, whose cost per row (gate/up recomputed D/BD times, on tensor cores) is about that of six
+# such tiles when its row block is full of dense rows. An estimate from bytes and FLOPs, not a sweep.
+TILE_RECOMPUTE_MAX = 4
+
+# Blocked dense kernel (BM, BH, BK, BD, warps, stages), by input element size. GPU: the largest
+# tiles that compile without spills on sm90 (ptxas -v, D=2048, H=5632: 215 registers for bf16,
+# 212 for fp32); the interpreter needs tl.dot dims >= 16 and is faster on small tiles.
+_DENSE_TILES = {2: (32, 64, 64, 512, 8, 3), 4: (32, 64, 64, 256, 8, 3)}
+_DENSE_TILES_INTERPRET = (16, 32, 32, 64, 4, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,10 +91,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _sparse_configs():
     if INTERPRET:
-        return [triton.Config({"CH": 4, "TOKENS": 2}, num_warps=4, num_stages=1)]
+        return [triton.Config({"CH": 8, "TOKENS": 4}, num_warps=4, num_stages=1)]  # few interpreted ops
     # (pairs per chunk, warps, tokens per program). The naive floor (DESIGN.md section 10) was
-    # one token per program, one pair at a time, 4 warps; 8 warps were slower there.
-    shapes = [(4, 4, 1), (2, 4, 1), (8, 8, 1), (4, 8, 1), (4, 4, 4), (2, 4, 4), (16, 16, 1)]
+    # one token per program, one pair at a time, 4 warps; 8 warps were slower there. Registers on
+    # sm90 (ptxas -v, bf16, D=2048, gated): (2,4,1) 128, (4,4,1) 168, (4,8,1) 121, (8,8,1) 177,
+    # (2,4,4) 156, no spills. Not timed yet.
+    shapes = [(2, 4, 1), (4, 4, 1), (1, 4, 1), (4, 8, 1), (8, 8, 1), (2, 4, 4), (4, 8, 4), (16, 16, 1)]
     return [triton.Config({"CH": c, "TOKENS": t}, num_warps=w, num_stages=1) for c, w, t in shapes]
 
 
@@ -87,21 +116,23 @@ def _sparse_ffn_kernel(
     x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr,
     idx_ptr, val_ptr, count_ptr, dense_ptr, out_ptr, up_ptr,
     # dimensions
-    M, D, H, N_TILES,
+    M, D, H, N_TILES, TILE_MAX,
     # row strides (elements; every last dimension is contiguous)
     stride_xm, stride_wg, stride_wu, stride_wdt, stride_om,
     # meta-parameters
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     STORE_UP: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, TILE_N: tl.constexpr,
-    NT_P2: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, TOKENS: tl.constexpr,
+    NT_P2: tl.constexpr, BLOCK_D: tl.constexpr, OVF: tl.constexpr, CH: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    """``out[t] = Σ_pairs h · Wdᵀ[j] + bd`` for every token ``t`` with ``dense[t]`` false.
+    """``out[t] = Σ_pairs h · Wdᵀ[j] + bd`` for every token ``t`` that is not a whole-dense row.
 
     x ``[M, D]``; wg, wu ``[H, D]``; wdt ``[H, D]`` (= Wdᵀ); biases ``[H]``/``[D]``; TwELL
     ``idx``/``val`` ``[M, N_TILES, SLOTS]`` and ``count [M, N_TILES]``; dense bool ``[M]``;
-    out ``[M, D]``. Tiles with ``count > SLOTS`` are computed densely over their TILE_N columns.
+    out ``[M, D]``. A row is whole-dense when ``dense[t]`` or more than TILE_MAX of its tiles
+    overflow (``count > SLOTS``); ``_dense_rows_kernel`` writes those rows, with the same rule.
+    In the other rows an overflowed tile is computed densely over its TILE_N columns.
     With STORE_UP, ``up [M, N_TILES, SLOTS]`` fp32 receives the up value of each stored pair of a
-    sparse row and 0 in every other slot. Rows flagged dense are left to ``_dense_rows_kernel``.
+    row with no overflowed tile and no dense flag, and 0 in every other slot (as the reference).
     """
     pid = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
@@ -115,14 +146,17 @@ def _sparse_ffn_kernel(
         t = pid * TOKENS + i
         if t < M:
             t64 = t.to(tl.int64)
-            sparse_row = tl.load(dense_ptr + t64) == 0
             cnt = tl.load(count_ptr + t64 * N_TILES + tiles, mask=t_ok, other=0)
             over = cnt > SLOTS
-            # Pairs the loop below handles: none in overflowed tiles or dense rows.
+            n_over = tl.sum(over.to(tl.int32), axis=0)
+            sparse_row = (tl.load(dense_ptr + t64) == 0) & (n_over <= TILE_MAX)
+            # Pairs the loop below handles: none in overflowed tiles or whole-dense rows.
             stored = tl.where(over | (sparse_row == 0), 0, cnt)
             slot0 = t64 * N_TILES * SLOTS  # first slot of this token's TwELL row
+            keep_up = sparse_row & (n_over == 0)  # the reference computes overflow rows densely
             if STORE_UP:
-                zero_mask = t_ok[:, None] & (slots[None, :] < SLOTS) & (slots[None, :] >= stored[:, None])
+                n_up = tl.where(keep_up, stored, 0)
+                zero_mask = t_ok[:, None] & (slots[None, :] < SLOTS) & (slots[None, :] >= n_up[:, None])
                 tl.store(up_ptr + slot0 + tiles[:, None] * SLOTS + slots[None, :],
                          tl.zeros((NT_P2, SLOTS_P2), dtype=tl.float32), mask=zero_mask)
 
@@ -147,23 +181,30 @@ def _sparse_ffn_kernel(
                     g = tl.sum(tl.where(hit, val_row[None, :], 0.0), axis=1)
                     act = tl.where(g <= 0.0, 0.0, g)  # relu that keeps NaN, as torch.relu does
                     w_mask = k_ok[:, None] & d_ok[None, :]
+                    # Both weight gathers are issued before the up reduction (a CTA barrier), so
+                    # their L2 round trips overlap. Weights stay in L2 (46 MB fit the H200's 60 MB).
+                    wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + offs_d[None, :], mask=w_mask, other=0.0,
+                                 eviction_policy="evict_last")
                     if GATED:
-                        wu = tl.load(wu_ptr + j[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
+                        wu = tl.load(wu_ptr + j[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0,
+                                     eviction_policy="evict_last")
                         up = tl.sum(wu.to(tl.float32) * x_row[None, :], axis=1)
                         if HAS_BU:
                             up += tl.load(bu_ptr + j, mask=k_ok, other=0.0).to(tl.float32)
+                        if OVF > 0:  # dense rounds up and h to the input dtype: its overflow points
+                            up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
                         if STORE_UP:
                             slot = slot0 + tl.sum(tl.where(hit, off[None, :], 0), axis=1)
-                            tl.store(up_ptr + slot, up, mask=k_ok)
+                            tl.store(up_ptr + slot, up, mask=k_ok & keep_up)
                         hv = act * up
+                        if OVF > 0:
+                            hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
                     else:
                         hv = act
                     hv = tl.where(k_ok, hv, 0.0)
-                    wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + offs_d[None, :], mask=w_mask, other=0.0)
                     acc += tl.sum(hv[:, None] * wd.to(tl.float32), axis=0)
 
-                # Overflowed tiles: every column of the tile, recomputed from x (rare).
-                n_over = tl.sum(over.to(tl.int32), axis=0)
+                # Overflowed tiles (at most TILE_MAX): every column of the tile, recomputed from x.
                 if n_over > 0:
                     for tau in range(0, N_TILES):
                         c = tl.load(count_ptr + t64 * N_TILES + tau)
@@ -177,12 +218,18 @@ def _sparse_ffn_kernel(
                                 up = tl.sum(wu.to(tl.float32) * x_row[None, :], axis=1)
                                 if HAS_BU:
                                     up += tl.load(bu_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
+                                if OVF > 0:
+                                    up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
                                 if GATED:
                                     wg = tl.load(wg_ptr + j[:, None] * stride_wg + offs_d[None, :], mask=w_mask, other=0.0)
                                     g = tl.sum(wg.to(tl.float32) * x_row[None, :], axis=1)
                                     if HAS_BG:
                                         g += tl.load(bg_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
+                                    if OVF > 0:
+                                        g = tl.where(tl.abs(g) >= OVF, tl.where(g > 0, float("inf"), float("-inf")), g)
                                     hv = tl.where(g <= 0.0, 0.0, g) * up
+                                    if OVF > 0:
+                                        hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
                                 else:
                                     hv = tl.where(up <= 0.0, 0.0, up)
                                 hv = tl.where(j_ok, hv, 0.0)
@@ -200,42 +247,37 @@ def _sparse_ffn_kernel(
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    if INTERPRET:  # the interpreter's bf16 tl.dot is wrong (DESIGN.md section 9)
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _dense_rows_kernel(
     # pointers
-    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr, dense_ptr, out_ptr,
+    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr, dense_ptr, count_ptr, out_ptr,
     # dimensions
-    M, D, H,
+    M, D, H, N_TILES, TILE_MAX,
     # row strides (elements; every last dimension is contiguous)
     stride_xm, stride_wg, stride_wu, stride_wdt, stride_om,
     # meta-parameters
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr, OVF: tl.constexpr,
     BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
 ):
-    """The dense FFN ``out[r, dblock]`` for the rows ``r`` of block ``pid_m`` with ``dense[r]``.
+    """The dense FFN ``out[r, dblock]`` for the whole-dense rows ``r`` of row block ``pid_m``.
+
+    Whole-dense: ``dense[r]``, or more than TILE_MAX tiles with ``count > SLOTS`` (the rule of
+    ``_sparse_ffn_kernel``, which leaves these rows alone).
 
     Shapes as in ``_sparse_ffn_kernel``. Gate and up tiles ``[BM, BH]`` come from ``tl.dot`` over
-    all of D (bf16/fp16 on tensor cores, fp32 in IEEE); ``h`` stays fp32 and is multiplied by the
-    ``[BH, BD]`` tile of Wdᵀ (TF32 for 16-bit inputs, IEEE fp32 for fp32 inputs). Every output
-    column block recomputes gate and up: ``D / BD`` times the gate/up FLOPs of the block's rows.
+    all of D (bf16/fp16 on tensor cores, fp32 in IEEE); ``h`` is fp32, multiplied by the
+    ``[BH, BD]`` tile of Wdᵀ as a hi + lo pair of 16-bit tiles (IEEE fp32 for fp32 inputs). Every
+    output column block recomputes gate and up: ``D / BD`` times the gate/up FLOPs of its rows.
     """
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     r_ok = rows < M
-    flag = tl.load(dense_ptr + rows, mask=r_ok, other=0) != 0
+    tiles = tl.arange(0, NT_P2)
+    cnt = tl.load(count_ptr + rows.to(tl.int64)[:, None] * N_TILES + tiles[None, :],
+                  mask=r_ok[:, None] & (tiles[None, :] < N_TILES), other=0)
+    n_over = tl.sum((cnt > SLOTS).to(tl.int32), axis=1)
+    flag = ((tl.load(dense_ptr + rows, mask=r_ok, other=0) != 0) | (n_over > TILE_MAX)) & r_ok
     if tl.sum(flag.to(tl.int32), axis=0) > 0:
         rows_ld = tl.minimum(rows, M - 1).to(tl.int64)
         offs_d = pid_d * BD + tl.arange(0, BD)
@@ -254,29 +296,55 @@ def _dense_rows_kernel(
                 k_ok = kk < D
                 xa = tl.load(x_ptr + rows_ld[:, None] * stride_xm + kk[None, :], mask=k_ok[None, :], other=0.0)
                 wut = tl.load(wu_ptr + hc_ld[None, :] * stride_wu + kk[:, None], mask=k_ok[:, None], other=0.0)
-                up = _dot(xa, wut, up, IEEE, INTERPRET)
+                if INTERPRET:  # the interpreter's bf16 tl.dot is wrong (DESIGN.md section 9)
+                    xa = xa.to(tl.float32)
+                    wut = wut.to(tl.float32)
+                if IEEE:
+                    up = tl.dot(xa, wut, up, input_precision="ieee")
+                else:
+                    up = tl.dot(xa, wut, up)
                 if GATED:
                     wgt = tl.load(wg_ptr + hc_ld[None, :] * stride_wg + kk[:, None], mask=k_ok[:, None], other=0.0)
-                    gate = _dot(xa, wgt, gate, IEEE, INTERPRET)
+                    if INTERPRET:
+                        wgt = wgt.to(tl.float32)
+                    if IEEE:
+                        gate = tl.dot(xa, wgt, gate, input_precision="ieee")
+                    else:
+                        gate = tl.dot(xa, wgt, gate)
             if HAS_BU:
                 up += tl.load(bu_ptr + hc, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+            if OVF > 0:  # dense rounds gate, up and h to the input dtype: its overflow points
+                up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
             if GATED:
                 if HAS_BG:
                     gate += tl.load(bg_ptr + hc, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+                if OVF > 0:
+                    gate = tl.where(tl.abs(gate) >= OVF, tl.where(gate > 0, float("inf"), float("-inf")), gate)
                 hv = tl.where(gate <= 0.0, 0.0, gate) * up  # relu keeps NaN
+                if OVF > 0:
+                    hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
             else:
                 hv = tl.where(up <= 0.0, 0.0, up)
             hv = tl.where(h_ok[None, :], hv, 0.0)
             wd = tl.load(wdt_ptr + hc_ld[:, None] * stride_wdt + offs_d[None, :],
-                         mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                         mask=h_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(hv, wd, acc, input_precision="ieee")
             else:
-                acc = tl.dot(hv, wd, acc)  # TF32: h keeps 10 mantissa bits, more than bf16's 7
+                # h = hi + lo, both in the input dtype: two tensor-core products keep ~16 bits of
+                # h (one would round it like dense does). lo is 0 where h is ±Inf or NaN.
+                h_hi = hv.to(wd.dtype)
+                h_lo = tl.where(tl.abs(hv) < float("inf"), hv - h_hi.to(tl.float32), 0.0).to(wd.dtype)
+                if INTERPRET:
+                    acc = tl.dot(h_hi.to(tl.float32), wd.to(tl.float32), acc)
+                    acc = tl.dot(h_lo.to(tl.float32), wd.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(h_hi, wd, acc)
+                    acc = tl.dot(h_lo, wd, acc)
         if HAS_BD:
             acc += tl.load(bd_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_d[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(flag & r_ok)[:, None] & d_ok[None, :])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=flag[:, None] & d_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,12 +394,13 @@ def sparse_ffn(
     *,
     layout: TwellLayout = DEFAULT_LAYOUT,
     return_up: bool = False,
+    max_tile_recompute: int = TILE_RECOMPUTE_MAX,
 ):
     """The FFN output from its packed gate (gated) or packed up pre-activation (plain).
 
     Matches ``reference.ffn_forward_ref(x, wg, wu, wd, bg, bu, bd).out`` (fp32 arithmetic, one
     rounding at the output) for the ``packed`` that ``gate_pack`` (or ``reference.gate_pack_ref``)
-    makes from ``(x, wg, bg)`` (gated) or ``(x, wu, bu)`` (plain).
+    makes from ``(x, wg, bg)`` (gated) or ``(x, wu, bu)`` (plain). No host synchronisation.
 
     Args:
         x: ``[M, D]`` float16/bfloat16/float32.
@@ -339,16 +408,20 @@ def sparse_ffn(
         wu: ``[H, D]`` up weight (``nn.Linear`` layout), dtype of x.
         wd: ``[D, H]`` down weight (``nn.Linear`` layout), dtype of x. Transposed inside (see the
             module docstring for the cost).
-        bu, bd, bg: optional biases ``[H]``, ``[D]``, ``[H]`` (any float dtype).
-        dense_rows: bool ``[M]`` on x's device: rows computed by the dense formula over all H.
-            Use ``reference.dense_rows_ref`` semantics. ``None``: ``guard_rows(...)``, computed
-            here (it reads every weight once); overflowed tiles stay exact either way.
+        bu, bd, bg: optional biases ``[H]``, ``[D]``, ``[H]`` (float16/bfloat16/float32).
+        dense_rows: bool ``[M]`` on x's device: rows computed by the dense formula over all H,
+            e.g. ``reference.dense_rows_ref``. ``None``: ``guard_rows(...)``, computed here (it
+            reads every weight once). Overflowed tiles are exact whether or not they are flagged.
         wg: ``[H, D]`` gate weight for a gated FFN; ``None`` for a plain one.
+        bg: optional gate bias (gated only).
         out_dtype: dtype of the output (float16/bfloat16/float32); default x's dtype.
         layout: the TwELL layout ``packed`` was made with.
         return_up: also return ``up_val``, fp32 ``[M, n_tiles, slots]``: the up value of each
-            stored pair of the sparse rows, 0 in every other slot (``ForwardResult.up_val``);
-            an empty ``[0]`` tensor for a plain FFN.
+            stored pair of the rows that have no overflowed tile and no dense flag, 0 in every
+            other slot (``ForwardResult.up_val``); an empty ``[0]`` tensor for a plain FFN.
+        max_tile_recompute: an unflagged row with at most this many overflowed tiles recomputes
+            just those tiles densely (``3·tile_n`` weight rows each); a row with more goes to the
+            blocked dense kernel. Any value gives the same result up to rounding.
 
     Returns:
         ``out [M, D]``, or ``(out, up_val)`` with ``return_up``.
@@ -366,7 +439,6 @@ def sparse_ffn(
     m, d = x.shape
     h = wu.shape[0]
     dev = x.device
-    floats = (torch.float16, torch.bfloat16, torch.float32)
     _check("x", x, (m, d), _DTYPES, dev)
     _check("wu", wu, (h, d), (x.dtype,), dev)
     _check("wd", wd, (d, h), (x.dtype,), dev)
@@ -377,7 +449,7 @@ def sparse_ffn(
         raise ValueError("bg was given without wg: a plain FFN has no gate bias")
     for name, b, n in (("bu", bu, h), ("bd", bd, d), ("bg", bg, h)):
         if b is not None:
-            _check(name, b, (n,), floats, dev)
+            _check(name, b, (n,), _DTYPES, dev)
     if not isinstance(packed, TwellPacked):
         raise TypeError(f"packed must be a TwellPacked, got {type(packed).__name__}")
     n_tiles, slots = layout.n_tiles(h), layout.slots
@@ -387,57 +459,55 @@ def sparse_ffn(
     if dense_rows is not None:
         _check("dense_rows", dense_rows, (m,), (torch.bool,), dev)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in floats:
-        raise TypeError(f"out_dtype must be one of {[str(t) for t in floats]}, got {out_dtype}")
+    if out_dtype not in _DTYPES:
+        raise TypeError(f"out_dtype must be one of {[str(t) for t in _DTYPES]}, got {out_dtype}")
+    if not isinstance(max_tile_recompute, int) or max_tile_recompute < 0:
+        raise ValueError(f"max_tile_recompute must be an int >= 0, got {max_tile_recompute!r}")
     if not INTERPRET and dev.type != "cuda":
         raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")
 
     # 2. Allocate the outputs (and Wdᵀ, the only temporary).
-    out = torch.empty(m, d, dtype=out_dtype, device=dev)
     store_up = return_up and gated
     if store_up:
         up_val = torch.empty(m, n_tiles, slots, dtype=torch.float32, device=dev)
     else:
         up_val = torch.zeros(0, dtype=torch.float32, device=dev)
-    if m == 0:
+    if m == 0 or h == 0:  # nothing to gather: out = bd
+        out = torch.zeros(m, d, dtype=torch.float32, device=dev)
+        out = (out if bd is None else out + bd.float()).to(out_dtype)
         return (out, up_val) if return_up else out
+    out = torch.empty(m, d, dtype=out_dtype, device=dev)
     if dense_rows is None:
         dense_rows = guard_rows(x, wg, wu, wd, bg, bu, bd)
     x, wu = _rowmajor(x), _rowmajor(wu)
-    wg = _rowmajor(wg) if gated else wu
-    wdt = wd.t().contiguous()  # [H, D]: column j of Wd as a contiguous row
+    wg = _rowmajor(wg) if gated else wu  # plain: never read
+    wdt = wd.t().contiguous()  # [H, D]: column j of Wd as a contiguous row (no copy if wd = wdt.t())
     idx, val, count = packed.idx.contiguous(), packed.val.contiguous(), packed.count.contiguous()
     dense_rows = dense_rows.contiguous()
     dummy = val  # stands in for absent biases; never read
-    common = (
-        m, d, h,
-    )
+    weights = (x, wg, bg if bg is not None else dummy, wu, bu if bu is not None else dummy, wdt,
+               bd if bd is not None else dummy)
     strides = (x.stride(0), wg.stride(0), wu.stride(0), wdt.stride(0), out.stride(0))
     flags = dict(GATED=gated, HAS_BG=bg is not None, HAS_BU=bu is not None, HAS_BD=bd is not None)
+    nt_p2 = max(2, triton.next_power_of_2(n_tiles))
+    ovf = overflow_threshold(x.dtype)
 
-    # 3. Launch: sparse rows, then dense rows (disjoint output rows).
+    # 3. Launch: sparse rows, then whole-dense rows (the two kernels write disjoint rows).
     block_d = max(16, triton.next_power_of_2(d))
     _sparse_ffn_kernel[lambda meta: (triton.cdiv(m, meta["TOKENS"]),)](
-        x, wg, bg if bg is not None else dummy, wu, bu if bu is not None else dummy, wdt,
-        bd if bd is not None else dummy,
-        idx, val, count, dense_rows, out, up_val if store_up else dummy,
-        *common, n_tiles, *strides,
+        *weights, idx, val, count, dense_rows, out, up_val if store_up else dummy,
+        m, d, h, n_tiles, max_tile_recompute, *strides,
         **flags, STORE_UP=store_up, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots),
-        TILE_N=layout.tile_n, NT_P2=max(2, triton.next_power_of_2(n_tiles)), BLOCK_D=block_d,
+        TILE_N=layout.tile_n, NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf,
     )
     if d > 0:
-        if INTERPRET:
-            bm, bh, bk, bd_blk, warps = 16, 32, 32, min(64, block_d), 4
-        else:
-            # Flagged rows are expected to be rare (overflow, non-finite inputs): small row blocks
-            # waste less on an isolated row; BD=256 recomputes gate/up D/256 times.
-            bm, bh, bk, bd_blk, warps = 32, 64, 64, min(256, block_d), 8
-        grid = (triton.cdiv(m, bm), triton.cdiv(d, bd_blk))
-        _dense_rows_kernel[grid](
-            x, wg, bg if bg is not None else dummy, wu, bu if bu is not None else dummy, wdt,
-            bd if bd is not None else dummy, dense_rows, out,
-            *common, *strides,
-            **flags, IEEE=x.dtype == torch.float32, INTERPRET=INTERPRET,
-            BM=bm, BH=bh, BK=bk, BD=bd_blk, num_warps=warps,
+        tiles = _DENSE_TILES_INTERPRET if INTERPRET else _DENSE_TILES[x.element_size()]
+        bm, bh, bk, bd_blk, warps, stages = tiles
+        bd_blk = min(bd_blk, block_d)
+        _dense_rows_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd_blk))](
+            *weights, dense_rows, count, out,
+            m, d, h, n_tiles, max_tile_recompute, *strides,
+            **flags, IEEE=x.dtype == torch.float32, INTERPRET=INTERPRET, SLOTS=slots, NT_P2=nt_p2, OVF=ovf,
+            BM=bm, BH=bh, BK=bk, BD=bd_blk, num_warps=warps, num_stages=stages,
         )
     return (out, up_val) if return_up else out

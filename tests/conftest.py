@@ -2,7 +2,14 @@
 
 import os
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
+
+# Without a GPU the Triton kernels run in the interpreter. This must happen before any kernel
+# module is imported (DESIGN.md section 9), and conftest.py is imported before the test modules.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Hypothesis profiles (DESIGN.md section 9). Pick one with HYPOTHESIS_PROFILE (default "ci"):
 #   ci       : few examples, derandomized so CI runs are reproducible; no deadline (the dense
@@ -25,3 +32,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def device() -> str:
+    """Where test tensors live: the GPU when there is one, else the CPU (interpreted kernels)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
