@@ -92,8 +92,12 @@ def twell_train_step(x, wg, wu, wd, dout, coeff):
     out.backward(dout)
 
 
-def median_ms(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30) -> float:
-    """Median of CUDA-event timings of ``fn`` after ``warmup`` calls."""
+def median_ms(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, calls: int = 4) -> float:
+    """Median over ``reps`` samples of the CUDA-event time of ``calls`` back-to-back calls, per call.
+
+    Several calls per sample let the host run ahead as in a model, so each provider's Python
+    overhead overlaps its GPU work instead of being timed as idle GPU time.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -101,10 +105,11 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30) -> f
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
