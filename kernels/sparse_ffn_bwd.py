@@ -862,7 +862,9 @@ def sparse_ffn_backward(
         bh, bk, bd_blk, warps = 32, 32, 32, 4
     else:
         # Dense rows are rare (overflow, guard): small row tiles waste little on an isolated row.
-        bh, bk, bd_blk, warps = 64, 64, 128, 4
+        # fp32 tiles take twice the shared memory: 128-wide D blocks needed 240 KiB on the H200
+        # (limit 227 KiB), so fp32 uses 64.
+        bh, bk, bd_blk, warps = 64, 64, (64 if x.dtype == torch.float32 else 128), 4
 
     # 3. Launch: sparse rows (dx, dh), dense rows (scratch, dx), then the weight gradients.
     block_d = max(16, triton.next_power_of_2(d))
