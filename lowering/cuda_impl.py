@@ -8,7 +8,7 @@ path never synchronises the host:
   and down for the active neurons only) and, in training, ``sparse_ffn_backward``;
 * **dense**: cuBLAS through PyTorch, exactly the dense FFN. A layer starts dense (early in
   training a ReLU FFN is ~50% dense) and turns sparse once its measured density drops below
-  ``SPARSE_MAX_DENSITY``.
+  ``SPARSE_MAX_DENSITY`` (per mode; set from ``twell bench`` on the H200).
 
 Both paths compute the same function for every input (DESIGN.md section 5): the choice costs or
 saves time, never correctness. Under CUDA-graph capture the path chosen before capture is the one
@@ -29,9 +29,12 @@ from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellPacked, is_active
 
 from . import telemetry
 
-# Above this fraction of active gate units the sparse kernels stop paying (twell bench, H200,
-# bf16, D=2048, H=5632: see docs/benchmarks.md).
-SPARSE_MAX_DENSITY = 0.03
+# Below these fractions of active gate units the sparse path is taken (twell bench on the H200,
+# bf16, D=2048, H=5632, docs/benchmarks.md). Inference: the sparse kernels lost to cuBLAS at every
+# measured density (best 0.95x, M=65536 at 0.5%), so inference stays dense. Training: the dense
+# path recomputes gate and up in backward (0.77x of dense autograd), and the sparse path beat that
+# below ~0.45% (0.89x at 0.3%, 0.73x at 0.5%, M=16384). Raise them as the kernels get faster.
+SPARSE_MAX_DENSITY = {"inference": 0.0, "training": 0.004}
 # Above this fraction of rows computed densely (overflow, guard) the dense path is faster.
 SPARSE_MAX_DENSE_ROWS = 0.02
 # The training L1 value for stats() costs a pass over the TwELL buffers: measure it every N calls.
@@ -48,17 +51,19 @@ class _LayerPolicy:
     def __init__(self) -> None:
         self.host = torch.zeros(len(telemetry.FIELDS), dtype=torch.float64, pin_memory=True)
         self.event: Optional[torch.cuda.Event] = None
-        self.sparse = False
+        self.density = 1.0  # unknown until the first call's counters arrive: start dense
+        self.dense_row_fraction = 1.0
         self.calls = 0
 
-    def choose(self) -> bool:
+    def choose(self, training: bool) -> bool:
         if self.event is not None and not torch.cuda.is_current_stream_capturing() and self.event.query():
             v = dict(zip(telemetry.FIELDS, self.host.tolist()))  # completed copy: no sync
             tokens = max(1.0, v["tokens"])
-            density = v["active"] / tokens / max(1.0, self._hidden)
-            self.sparse = density < SPARSE_MAX_DENSITY and v["dense_rows"] / tokens < SPARSE_MAX_DENSE_ROWS
+            self.density = v["active"] / tokens / max(1.0, self._hidden)
+            self.dense_row_fraction = v["dense_rows"] / tokens
             self.event = None
-        return self.sparse
+        limit = SPARSE_MAX_DENSITY["training" if training else "inference"]
+        return self.density < limit and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS
 
     def after(self, buf: torch.Tensor, hidden: int) -> None:
         self.calls += 1
@@ -104,7 +109,7 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     is None; the telemetry then counts the rows that would have overflowed (an estimate).
     """
     policy = _policy(layer, x2d.device)
-    sparse = policy.choose() if FORCE_PATH is None else FORCE_PATH == "sparse"
+    sparse = policy.choose(training) if FORCE_PATH is None else FORCE_PATH == "sparse"
     sparse = sparse and x2d.dtype != torch.float64
     want_l1 = training and policy.calls % L1_EVERY == 0
     if sparse:
