@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .checks import FLOAT_DTYPES, check_matrix, check_tensor
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed
 from .reference import OVERFLOW_THRESHOLD
 
@@ -231,15 +232,6 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and (t.stride(0) * e) % 16 == 0 and t.data_ptr() % 16 == 0 and t.shape[1] > 0
 
 
-def _check_tensor(name: str, t, shape, dtypes) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-
-
 def gate_pack(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -266,19 +258,14 @@ def gate_pack(
         packed = gate_pack(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
     """
     # 1. Check shapes, dtypes and devices.
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [M, D], got {getattr(x, 'shape', type(x).__name__)}")
-    if not isinstance(w, torch.Tensor) or w.dim() != 2:
-        raise ValueError(f"w must be a 2-D tensor [H, D], got {getattr(w, 'shape', type(w).__name__)}")
+    check_matrix("x", x, "[M, D]")
+    check_matrix("w", w, "[H, D]")
     m, d = x.shape
     h = w.shape[0]
-    _check_tensor("x", x, (m, d), _DTYPES)
-    _check_tensor("w", w, (h, d), (x.dtype,))
+    check_tensor("x", x, (m, d), _DTYPES, x.device)
+    check_tensor("w", w, (h, d), (x.dtype,), x.device)
     if b is not None:
-        _check_tensor("b", b, (h,), (torch.float16, torch.bfloat16, torch.float32))
-    for name, t in (("w", w), ("b", b)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+        check_tensor("b", b, (h,), FLOAT_DTYPES, x.device)
     if not INTERPRET and x.device.type != "cuda":
         raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {x.device}")
     if not 16 <= layout.tile_n <= 256:

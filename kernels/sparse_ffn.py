@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_ffn_operands, check_packed, check_tensor
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
 from .reference import _finite, _may_overflow
@@ -352,17 +353,6 @@ def _dense_rows_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check(name: str, t, shape, dtypes, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but x is on {device}")
-
-
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -432,32 +422,13 @@ def sparse_ffn(
         out = sparse_ffn(x, packed, wu, wd, bu, bd, wg=wg, bg=bg)
     """
     # 1. Check shapes, dtypes and devices.
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [M, D], got {getattr(x, 'shape', type(x).__name__)}")
-    if not isinstance(wu, torch.Tensor) or wu.dim() != 2:
-        raise ValueError(f"wu must be a 2-D tensor [H, D], got {getattr(wu, 'shape', type(wu).__name__)}")
-    m, d = x.shape
-    h = wu.shape[0]
+    m, d, h = check_ffn_operands(x, wg, wu, wd, bg, bu, bd)
     dev = x.device
-    _check("x", x, (m, d), _DTYPES, dev)
-    _check("wu", wu, (h, d), (x.dtype,), dev)
-    _check("wd", wd, (d, h), (x.dtype,), dev)
     gated = wg is not None
-    if gated:
-        _check("wg", wg, (h, d), (x.dtype,), dev)
-    elif bg is not None:
-        raise ValueError("bg was given without wg: a plain FFN has no gate bias")
-    for name, b, n in (("bu", bu, h), ("bd", bd, d), ("bg", bg, h)):
-        if b is not None:
-            _check(name, b, (n,), _DTYPES, dev)
-    if not isinstance(packed, TwellPacked):
-        raise TypeError(f"packed must be a TwellPacked, got {type(packed).__name__}")
+    check_packed(packed, m, h, layout, dev)
     n_tiles, slots = layout.n_tiles(h), layout.slots
-    _check("packed.idx", packed.idx, (m, n_tiles, slots), (torch.int32,), dev)
-    _check("packed.val", packed.val, (m, n_tiles, slots), (torch.float32,), dev)
-    _check("packed.count", packed.count, (m, n_tiles), (torch.int32,), dev)
     if dense_rows is not None:
-        _check("dense_rows", dense_rows, (m,), (torch.bool,), dev)
+        check_tensor("dense_rows", dense_rows, (m,), (torch.bool,), dev)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be one of {[str(t) for t in _DTYPES]}, got {out_dtype}")

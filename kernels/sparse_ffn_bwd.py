@@ -71,6 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_ffn_operands, check_packed, check_tensor
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
 
@@ -683,17 +684,6 @@ def _wgrad_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check(name: str, t, shape, dtypes, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but x is on {device}")
-
-
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -780,35 +770,14 @@ def sparse_ffn_backward(
         grads = sparse_ffn_backward(dout, x, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, rows, scale)
     """
     # 1. Check shapes, dtypes and devices.
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [M, D], got {getattr(x, 'shape', type(x).__name__)}")
-    if not isinstance(wu, torch.Tensor) or wu.dim() != 2:
-        raise ValueError(f"wu must be a 2-D tensor [H, D], got {getattr(wu, 'shape', type(wu).__name__)}")
-    m, d = x.shape
-    h = wu.shape[0]
+    m, d, h = check_ffn_operands(x, wg, wu, wd, bg, bu, bd, dout=dout)
     dev = x.device
-    _check("x", x, (m, d), _DTYPES, dev)
-    _check("dout", dout, (m, d), (x.dtype,), dev)
-    _check("wu", wu, (h, d), (x.dtype,), dev)
-    _check("wd", wd, (d, h), (x.dtype,), dev)
     gated = wg is not None
-    if gated:
-        _check("wg", wg, (h, d), (x.dtype,), dev)
-    elif bg is not None:
-        raise ValueError("bg was given without wg: a plain FFN has no gate bias")
-    floats = (torch.float16, torch.bfloat16, torch.float32)
-    for name, b, n in (("bu", bu, h), ("bd", bd, d), ("bg", bg, h)):
-        if b is not None:
-            _check(name, b, (n,), floats, dev)
-    if not isinstance(packed, TwellPacked):
-        raise ValueError(f"packed must be a TwellPacked, got {type(packed).__name__}")
+    check_packed(packed, m, h, layout, dev)
     n_tiles, slots = layout.n_tiles(h), layout.slots
-    _check("packed.idx", packed.idx, (m, n_tiles, slots), (torch.int32,), dev)
-    _check("packed.val", packed.val, (m, n_tiles, slots), (torch.float32,), dev)
-    _check("packed.count", packed.count, (m, n_tiles), (torch.int32,), dev)
     if gated:
-        _check("up_val", up_val, (m, n_tiles, slots), (torch.float32,), dev)
-    _check("dense_rows", dense_rows, (m,), (torch.bool,), dev)
+        check_tensor("up_val", up_val, (m, n_tiles, slots), (torch.float32,), dev)
+    check_tensor("dense_rows", dense_rows, (m,), (torch.bool,), dev)
     if not isinstance(l1_scale, torch.Tensor) or l1_scale.numel() != 1 or not l1_scale.is_floating_point():
         raise ValueError(f"l1_scale must be a 0-d float tensor, got {getattr(l1_scale, 'shape', type(l1_scale).__name__)}")
     if l1_scale.device != dev:
