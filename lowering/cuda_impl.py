@@ -41,6 +41,10 @@ SPARSE_MAX_DENSE_ROWS = 0.02
 L1_EVERY = 8
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 # Benchmarks set this to "sparse" or "dense" to time one path whatever the policy would choose.
 FORCE_PATH: Optional[str] = None
 
@@ -56,7 +60,7 @@ class _LayerPolicy:
         self.calls = 0
 
     def choose(self, training: bool) -> bool:
-        if self.event is not None and not torch.cuda.is_current_stream_capturing() and self.event.query():
+        if self.event is not None and not _capturing() and self.event.query():
             v = dict(zip(telemetry.FIELDS, self.host.tolist()))  # completed copy: no sync
             tokens = max(1.0, v["tokens"])
             self.density = v["active"] / tokens / max(1.0, self._hidden)
@@ -68,7 +72,7 @@ class _LayerPolicy:
     def after(self, buf: torch.Tensor, hidden: int) -> None:
         self.calls += 1
         self._hidden = hidden
-        if self.event is None and not torch.cuda.is_current_stream_capturing():
+        if self.event is None and not _capturing():
             self.host.copy_(buf, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -239,8 +243,11 @@ class _WeightFacts:
     @classmethod
     def get(cls, wg, wu, wd, bg, bu, bd):
         tensors = (wg, wu, wd, bg, bu, bd)
-        capturing = torch.cuda.is_current_stream_capturing()
-        key = tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
+        try:
+            key = tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
+        except RuntimeError:  # inference-mode tensors have no version counter: do not cache
+            key = None
+        capturing = key is None or _capturing()
         if not capturing and key in cls._cache:
             return cls._cache[key]
         finite = torch.stack([torch.isfinite(t).all() for t in tensors if t is not None]).all()
