@@ -35,16 +35,6 @@ from twell_compile.kernels.reference import pack_ref, unpack_ref
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These tensors are tiny: intra-op threads only add overhead, and on a loaded 2-core CI box
-    oversubscription made index_add_ ~50x slower. Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def assert_identical(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     """Exact equality, NaN equal to NaN (−0.0 equal to 0.0, as ``==`` has it)."""
     assert actual.shape == expected.shape, f"[{name}] shape {tuple(actual.shape)} vs {tuple(expected.shape)}"

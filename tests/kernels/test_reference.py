@@ -66,16 +66,6 @@ def tiny(dtype: torch.dtype) -> float:
 L1_SCALES = st.sampled_from([0.0, 0.0, 1e-3, 0.5, 3.0])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These tensors are tiny: intra-op threads only add overhead, and on a loaded 2-core CI box
-    oversubscription made index_add_ ~50x slower. Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def forward(ffn: FFN, layout: TwellLayout = DEFAULT_LAYOUT):
     return ffn_forward_ref(*ffn.args(), layout=layout)
 
