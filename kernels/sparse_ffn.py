@@ -22,11 +22,12 @@ Kernels:
 
 * ``_sparse_ffn_kernel``: a program owns ``TOKENS`` consecutive tokens (neighbouring tokens share
   neurons in real models, so their weight rows can hit in L1) and handles them one after the
-  other, with the x row and the output row in registers. The token's whole TwELL row is loaded
-  once and its stored pairs numbered 0..a-1 by a prefix sum over the tile counts; the loop then
-  takes ``CH`` pairs at a time (picked out of the row with a one-hot reduction, so no dependent
-  global load sits in the loop): one ``[CH, D]`` gather of ``Wdᵀ`` rows and one of ``Wu`` rows,
-  issued together, ``CH`` dot products, one rank-``CH`` update of the output row.
+  other, with the x row and the output row in registers. The token's stored pairs are numbered
+  0..a-1 by a prefix sum over its tile counts; the loop takes ``CH`` pairs at a time, each found
+  by a compare-and-count over those prefix sums and one gather of its ``idx``/``val`` (a
+  ``[CH, N_TILES]`` search; a one-hot pick out of the whole ``[N_TILES, SLOTS]`` row, with no
+  dependent load, was 12% slower on the H200), then one ``[CH, D]`` gather of ``Wdᵀ`` rows and one of ``Wu``
+  rows, issued together, ``CH`` dot products, one rank-``CH`` update of the output row.
 * ``_dense_rows_kernel``: one program per (``BM`` rows, ``BD`` output columns); it returns at once
   unless a row of its block is whole-dense, then runs gate/up/down with ``tl.dot`` over all H and
   stores those rows only. Gate and up are recomputed for each of the ``D / BD`` column blocks.
@@ -38,16 +39,14 @@ Bytes, 16-bit weights (``e = 2``), ``a`` stored pairs per token:
   D=2048, H=5632 fit the H200's 60 MB L2; they are loaded with ``evict_last``);
 * written per token: ``D·e_out`` (+ ``n_tiles·slots·4`` with ``return_up``).
 
-Expected speed (an estimate, not measured: these kernels have not run on a GPU yet). The pair loop
-moves the same 8 KiB per pair as the naive one-token-per-program kernel of DESIGN.md section 10,
-whose L2-bound floor was ~9 TB/s: at M=16384, D=2048, H=5632, bf16 that is ~0.26 ms at 17 active
-neurons per token, ~0.42 ms at 28 (0.5%), ~1.6 ms at 114 (2%). What it adds over the naive kernel
-is memory-level parallelism (``CH`` rows of each matrix in flight per program instead of one) and
-same-program token reuse; with uniformly random neurons neither reduces the bytes, so expect the
-floor, not better.
+Measured speed (H200, bf16, M=16384, D=2048, H=5632, uniform random neurons): 0.65 ms at 28
+active neurons per token (0.5%), 1.21 ms at 56, 2.24 ms at 114. The naive one-token-per-program
+kernel of DESIGN.md section 10 (same 8 KiB per pair, from L2 at ~9 TB/s) took 0.42, 0.82 and
+1.64 ms; this kernel is 1.4-1.6x that floor. With uniformly random neurons no layout reduces the
+bytes; tokens per program only help when neighbouring tokens share neurons.
 
 ``Wd`` is ``[D, H]`` (``nn.Linear``); its columns are rows of ``Wdᵀ``, so the launcher makes
-``wd.t().contiguous()`` ([H, D]) on every call: ``2·H·D·e`` bytes of copy traffic (46 MB, ~10 µs on
+``wd.t().contiguous()`` ([H, D]) on every call: ``2·H·D·e`` bytes of copy traffic (46 MB, 75 µs on
 an H200 at D=2048, H=5632). No copy is made when ``wd`` already is the transposed view of a
 contiguous ``[H, D]`` tensor, so a caller that keeps ``Wdᵀ`` can pass ``wdt.t()``.
 """
@@ -93,11 +92,11 @@ _DENSE_TILES_INTERPRET = (16, 32, 32, 64, 4, 1)
 def _sparse_configs():
     if INTERPRET:
         return [triton.Config({"CH": 8, "TOKENS": 4}, num_warps=4, num_stages=1)]  # few interpreted ops
-    # (pairs per chunk, warps, tokens per program). The naive floor (DESIGN.md section 10) was
-    # one token per program, one pair at a time, 4 warps; 8 warps were slower there. Registers on
-    # sm90 (ptxas -v, bf16, D=2048, gated): (2,4,1) 128, (4,4,1) 168, (4,8,1) 121, (8,8,1) 177,
-    # (2,4,4) 156, no spills. Not timed yet.
-    shapes = [(2, 4, 1), (4, 4, 1), (1, 4, 1), (4, 8, 1), (8, 8, 1), (2, 4, 4), (4, 8, 4), (16, 16, 1)]
+    # (pairs per chunk, warps, tokens per program). From a 13-config sweep on the H200 (bf16,
+    # D=2048, H=5632, M=16384, uniform neurons): (4, 4, 1) was fastest at 0.5% density (0.65 ms),
+    # (1, 2, 1) at 1% and 2% (1.21 and 2.24 ms); more tokens per program were slower on uniform
+    # neurons, and one such config stays for the skewed neurons of real models.
+    shapes = [(4, 4, 1), (1, 2, 1), (1, 4, 1), (2, 4, 1), (2, 4, 4)]
     return [triton.Config({"CH": c, "TOKENS": t}, num_warps=w, num_stages=1) for c, w, t in shapes]
 
 
@@ -164,22 +163,20 @@ def _sparse_ffn_kernel(
             if sparse_row:
                 x_row = tl.load(x_ptr + t64 * stride_xm + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-                # The token's whole TwELL row in one load (no dependent load per chunk), each stored
-                # pair numbered by its position in the compact list of the row's pairs.
+                # Pairs are numbered 0..total-1 in (tile, slot) order. Pair k lies in the tile
+                # whose exclusive prefix of stored counts is the last one <= k: a compare-and-count
+                # over the row's N_TILES counts, then one gather of its idx and val.
                 incl = tl.cumsum(stored, axis=0)
+                excl = incl - stored
                 total = tl.sum(stored, axis=0)
-                in_row = slots[None, :] < stored[:, None]  # [NT_P2, SLOTS_P2]
-                off2d = tiles[:, None] * SLOTS + slots[None, :]
-                pos = tl.reshape(tl.where(in_row, (incl - stored)[:, None] + slots[None, :], -1), (NT_P2 * SLOTS_P2,))
-                off = tl.reshape(off2d, (NT_P2 * SLOTS_P2,))
-                idx_row = tl.reshape(tl.load(idx_ptr + slot0 + off2d, mask=in_row, other=0), (NT_P2 * SLOTS_P2,))
-                val_row = tl.reshape(tl.load(val_ptr + slot0 + off2d, mask=in_row, other=0.0), (NT_P2 * SLOTS_P2,))
                 for k0 in range(0, total, CH):
                     k = k0 + offs_c
                     k_ok = k < total
-                    hit = pos[None, :] == k[:, None]  # [CH, NT_P2 * SLOTS_P2], one hit per valid k
-                    j = tl.sum(tl.where(hit, idx_row[None, :], 0), axis=1).to(tl.int64)
-                    g = tl.sum(tl.where(hit, val_row[None, :], 0.0), axis=1)
+                    tile_k = tl.sum((incl[None, :] <= k[:, None]).to(tl.int32), axis=1)  # [CH]
+                    first = tl.sum(tl.where(tiles[None, :] == tile_k[:, None], excl[None, :], 0), axis=1)
+                    slot = slot0 + tile_k * SLOTS + (k - first)
+                    j = tl.load(idx_ptr + slot, mask=k_ok, other=0).to(tl.int64)
+                    g = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
                     act = tl.where(g <= 0.0, 0.0, g)  # relu that keeps NaN, as torch.relu does
                     w_mask = k_ok[:, None] & d_ok[None, :]
                     # Both weight gathers are issued before the up reduction (a CTA barrier), so
@@ -195,7 +192,6 @@ def _sparse_ffn_kernel(
                         if OVF > 0:  # dense rounds up and h to the input dtype: its overflow points
                             up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
                         if STORE_UP:
-                            slot = slot0 + tl.sum(tl.where(hit, off[None, :], 0), axis=1)
                             tl.store(up_ptr + slot, up, mask=k_ok & keep_up)
                         hv = act * up
                         if OVF > 0:
