@@ -41,8 +41,9 @@ Kernels, in launch order:
    ``j``'s pairs in token order (``dgate``/``dup``/``h`` recomputed from ``val``, ``up_val`` and the
    stored ``dh``) gathering ``x`` and ``dout`` rows, then over the dense rows (scratch column, or
    recomputed past ``r_cap``), and writes ``dWg_j``, ``dWu_j``, ``dWdᵀ_j`` and the bias grads: no
-   atomics. Launched ``j``-fastest, so the ``[M, BD]`` slabs of ``x`` and ``dout`` being gathered
-   (16 MB at M = 16384, BD = 256, bf16) stay in L2.
+   atomics. Launched ``j``-fastest. On the H200 whole rows (``BD = D``) measured fastest, ahead of
+   narrow slices whose ``[M, BD]`` slabs of ``x`` and ``dout`` would stay in L2: a program then
+   has a pair's whole 8 KiB of gathers in flight at once.
 
 Bytes, 16-bit tensors (``e = 2``), ``P`` stored pairs (``a`` per token):
 
@@ -269,9 +270,10 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
 def _token_configs():
     if INTERPRET:
         return [triton.Config({"CH": 4, "TOKENS": 2}, num_warps=4, num_stages=1)]
-    # (pairs per chunk, warps, tokens per program), around the forward's naive floor (DESIGN.md
-    # section 10: one token per program, 4 warps). Not swept yet for the backward.
-    shapes = [(2, 4, 1), (4, 8, 1), (8, 8, 1), (4, 4, 1), (4, 4, 2), (8, 16, 1), (16, 16, 1)]
+    # (pairs per chunk, warps, tokens per program). A 10-config sweep on the H200 (bf16, D=2048,
+    # H=5632, M=16384, uniform neurons): one pair at a time was fastest, (1, 4, 1) at 1.03 ms for
+    # 0.5% density and 1.86 ms for 1%, then (1, 2, 1) and (1, 2, 4); two pairs cost ~30% more.
+    shapes = [(1, 4, 1), (1, 2, 1), (1, 2, 4), (2, 4, 1)]
     return [triton.Config({"CH": c, "TOKENS": t}, num_warps=w, num_stages=1) for c, w, t in shapes]
 
 
@@ -516,10 +518,12 @@ def _dense_dx_kernel(
 def _wgrad_configs():
     if INTERPRET:
         return [triton.Config({"BD": 32, "CK": 8}, num_warps=4, num_stages=1)]
-    # (D slice, pairs per chunk, warps). Not swept yet; BD = 256 keeps the [M, BD] slabs of x and
-    # dout that one sweep over the neurons gathers (16 MB at M = 16384, bf16) inside L2.
-    shapes = [(256, 8, 4), (256, 16, 8), (128, 8, 4), (128, 16, 4), (512, 8, 8), (64, 16, 2)]
-    return [triton.Config({"BD": bd, "CK": ck}, num_warps=w, num_stages=2) for bd, ck, w in shapes]
+    # (D slice, pairs per chunk, warps, stages). A 13-config sweep on the H200 (bf16, D=2048,
+    # H=5632, M=16384, uniform neurons) put whole-row programs first: (2048, 4, 8, 1) took 1.34 ms
+    # at 0.5% density and 2.57 ms at 1%, then (64, 8, 1, 1) 1.88 / 3.38 ms; the 256-wide slices
+    # this list started from took 2.8 ms. Whole rows issue 8 KiB of gathers per pair at once.
+    shapes = [(2048, 4, 8, 1), (1024, 4, 4, 1), (64, 8, 1, 1), (2048, 2, 4, 1)]
+    return [triton.Config({"BD": bd, "CK": ck}, num_warps=w, num_stages=st) for bd, ck, w, st in shapes]
 
 
 def _prune_wgrad(configs, nargs, **kwargs):
