@@ -8,7 +8,9 @@ path never synchronises the host:
   and down for the active neurons only) and, in training, ``sparse_ffn_backward``;
 * **dense**: cuBLAS through PyTorch, exactly the dense FFN. A layer starts dense (early in
   training a ReLU FFN is ~50% dense) and turns sparse once its measured density drops below
-  ``SPARSE_MAX_DENSITY`` (per mode; set from ``twell bench`` on the H200).
+  ``SPARSE_MAX_DENSITY`` (per mode; set from ``twell bench`` on the H200) on calls of at least
+  ``SPARSE_MIN_TOKENS`` tokens. In training the dense path keeps ``relu(gate)``, ``up`` and ``h``
+  for its backward, as dense autograd does.
 
 Both paths compute the same function for every input (DESIGN.md section 5): the choice costs or
 saves time, never correctness. Under CUDA-graph capture the path chosen before capture is the one
@@ -18,6 +20,7 @@ recorded and replayed (host-side decisions cannot run inside a graph replay).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Optional
 
@@ -29,16 +32,22 @@ from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellPacked, is_active
 
 from . import telemetry
 
-# Below these fractions of active gate units the sparse path is taken (twell bench on the H200,
-# bf16, D=2048, H=5632, docs/benchmarks.md). Inference: the sparse kernels lost to cuBLAS at every
-# measured density (best 0.95x, M=65536 at 0.5%), so inference stays dense. Training: the dense
-# path recomputes gate and up in backward (0.77x of dense autograd), and the sparse path beat that
-# below ~0.45% (0.89x at 0.3%, 0.73x at 0.5%, M=16384). Raise them as the kernels get faster.
-SPARSE_MAX_DENSITY = {"inference": 0.0, "training": 0.004}
+# Below these fractions of active gate units the sparse path is taken: the crossovers measured on
+# the H200 (bf16, D=2048, H=5632, M=16384, docs/benchmarks.md). Inference: sparse 1.20x of cuBLAS
+# at 0.3%, 1.03x at 0.5%, 0.78x at 1%, against 0.96x for the dense path. Training (against the
+# dense path, 1.01-1.05x of dense autograd): sparse 1.37x at 0.3%, 1.07x at 0.5%, 0.69x at 1%.
+SPARSE_MAX_DENSITY = {"inference": 0.006, "training": 0.006}
+# Below this many tokens per call the sparse path is bound by its host time (~1.0 ms per call on
+# the H200's host: op dispatch, three Triton launches, guard and telemetry ops), which dense cuBLAS
+# at D=2048, H=5632 undercuts below ~9.4k tokens (M=4096: sparse 1.40 ms, dense 0.44 ms).
+SPARSE_MIN_TOKENS = 12288
 # Above this fraction of rows computed densely (overflow, guard) the dense path is faster.
 SPARSE_MAX_DENSE_ROWS = 0.02
 # The training L1 value for stats() costs a pass over the TwELL buffers: measure it every N calls.
 L1_EVERY = 8
+# The dense path's counters (a pass over a sample of the gate, ~5% of a dense inference call) are
+# measured every N calls, and on the first call after a sparse one; the others keep the last.
+COUNT_EVERY = 8
 
 
 def _capturing() -> bool:
@@ -58,6 +67,7 @@ class _LayerPolicy:
         self.density = 1.0  # unknown until the first call's counters arrive: start dense
         self.dense_row_fraction = 1.0
         self.calls = 0
+        self.last_sparse = False
 
     def choose(self, training: bool) -> bool:
         if self.event is not None and not _capturing() and self.event.query():
@@ -69,8 +79,9 @@ class _LayerPolicy:
         limit = SPARSE_MAX_DENSITY["training" if training else "inference"]
         return self.density < limit and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS
 
-    def after(self, buf: torch.Tensor, hidden: int) -> None:
+    def after(self, buf: torch.Tensor, hidden: int, sparse: bool) -> None:
         self.calls += 1
+        self.last_sparse = sparse
         self._hidden = hidden
         if self.event is None and not _capturing():
             self.host.copy_(buf, non_blocking=True)
@@ -95,15 +106,38 @@ def _policy(layer: int, device: torch.device) -> _LayerPolicy:
 
 # The backward must know which path its forward took. Exactness never depends on this registry:
 # a dense forward marks every tile as overflowed, which the sparse backward computes densely.
+# Keys are the forward's ``count`` pointer: ``count`` is saved for backward, so no other forward
+# can reuse that memory before this one's backward runs, and every training forward overwrites
+# its key (a stale entry can never be read).
 _DENSE_FORWARDS: "OrderedDict[int, bool]" = OrderedDict()
 _DENSE_FORWARDS_MAX = 4096
+# A dense training forward also keeps relu(gate), up and h here for its backward (what dense
+# autograd saves), which then skips recomputing them: two of its GEMMs. Popped by
+# the backward; bounded, and an evicted or missing entry only means recomputing (exact). Not kept
+# under CUDA-graph capture, nor under saved-tensor hooks (activation checkpointing, offloading),
+# which exist to control what is saved.
+_DENSE_SAVED: "OrderedDict[int, tuple]" = OrderedDict()
+_DENSE_SAVED_MAX = 64
 
 
-def _remember(count: torch.Tensor, dense: bool) -> None:
-    _DENSE_FORWARDS[count.data_ptr()] = dense
-    _DENSE_FORWARDS.move_to_end(count.data_ptr())
+def _remember(count: torch.Tensor, dense: bool, saved: Optional[tuple] = None) -> None:
+    key = count.data_ptr()
+    _DENSE_FORWARDS[key] = dense
+    _DENSE_FORWARDS.move_to_end(key)
     while len(_DENSE_FORWARDS) > _DENSE_FORWARDS_MAX:
         _DENSE_FORWARDS.popitem(last=False)
+    _DENSE_SAVED.pop(key, None)
+    if saved is not None and not _capturing() and not _saved_tensor_hooks_active():
+        _DENSE_SAVED[key] = saved
+        while len(_DENSE_SAVED) > _DENSE_SAVED_MAX:
+            _DENSE_SAVED.popitem(last=False)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True  # cannot tell: keep nothing
+    return top(False) is not None
 
 
 def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
@@ -113,36 +147,44 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     is None; the telemetry then counts the rows that would have overflowed (an estimate).
     """
     policy = _policy(layer, x2d.device)
-    sparse = policy.choose(training) if FORCE_PATH is None else FORCE_PATH == "sparse"
+    if FORCE_PATH is None:
+        sparse = policy.choose(training) and x2d.shape[0] >= SPARSE_MIN_TOKENS
+    else:
+        sparse = FORCE_PATH == "sparse"
     sparse = sparse and x2d.dtype != torch.float64
     want_l1 = training and policy.calls % L1_EVERY == 0
+    saved = None
     if sparse:
-        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, want_l1)
+        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1)
         active, dense_rows = res.packed.count.sum(), res.dense_rows.sum()
     else:
-        res, active, dense_rows = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1)
+        count = want_l1 or policy.calls % COUNT_EVERY == 0 or policy.last_sparse
+        res, active, dense_rows, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, count)
     if training:
-        _remember(res.packed.count, not sparse)
-    buf = telemetry.record(layer, tokens=x2d.shape[0], active=active, dense_rows=dense_rows, l1=res.l1, sparse=sparse)
-    policy.after(buf, wu.shape[0])
+        _remember(res.packed.count, not sparse, saved)
+    buf = telemetry.record(layer, tokens=x2d.shape[0], active=active, dense_rows=dense_rows, l1=res.l1, sparse=sparse,
+                           device=x2d.device)
+    policy.after(buf, wu.shape[0], sparse)
     return res, sparse
 
 
-def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool):
+def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, count: bool = True):
     """The dense FFN in the input dtype (exactly what the rewrite replaced).
 
-    Returns the result and the estimated active count and overflow rows, measured on every
-    ``SAMPLE_STRIDE``-th row: the counters only steer the next call's path, and a full pass over
-    the ``[M, H]`` gate would cost ~6% of the dense FFN.
+    Returns the result, the estimated active count and overflow rows, measured on every
+    ``SAMPLE_STRIDE``-th row (the counters only steer the next call's path, and a full pass over
+    the ``[M, H]`` gate would cost ~6% of the dense FFN), or ``None, None`` unless ``count``; and
+    in training ``(act, up, h)`` for the backward: what dense autograd saves.
     """
     up = F.linear(x2d, wu, bu)
     pre = up if wg is None else F.linear(x2d, wg, bg)
-    h = torch.relu(pre) if wg is None else torch.relu(pre) * up
+    act = torch.relu(pre)
+    h = act if wg is None else act * up
     out = F.linear(h, wd, bd)
     m, hidden = pre.shape
     n_tiles, slots = DEFAULT_LAYOUT.n_tiles(hidden), DEFAULT_LAYOUT.slots
     dev = x2d.device
-    active, overflow_rows = _sampled_counts(pre, n_tiles)
+    active, overflow_rows = _sampled_counts(pre, n_tiles) if count else (None, None)
     if training:
         # TwELL buffers of the right shapes with every tile marked overflowed: the backward then
         # treats every row as dense, so even one that does not know this forward was dense is
@@ -156,7 +198,8 @@ def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool):
     else:
         packed, up_val = None, None
     l1 = h.float().abs().sum() / max(1, m) if want_l1 else None
-    return reference.ForwardResult(out, packed, up_val, None, l1), active, overflow_rows
+    saved = (act, up, h) if training else None
+    return reference.ForwardResult(out, packed, up_val, None, l1), active, overflow_rows, saved
 
 
 SAMPLE_STRIDE = 16
@@ -176,14 +219,50 @@ def _sampled_counts(pre: torch.Tensor, n_tiles: int):
     return per_tile.sum() * scale, overflow
 
 
-def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, want_l1: bool) -> reference.ForwardResult:
+class _DownRows:
+    """``Wdᵀ`` as a contiguous ``[H, D]`` copy, kept per down weight while it is unchanged.
+
+    The sparse kernels read columns of ``Wd`` as rows; copying them costs 75 µs per call at
+    D=2048, H=5632 on the H200 (5% of the sparse FFN). One copy per weight is kept (the reference
+    implementation keeps the same), keyed by the tensor itself, its shape and its in-place version
+    counter, and freed with the weight. Under CUDA-graph capture, or for inference-mode tensors
+    (no version counter), the copy is made on every call.
+    """
+
+    _cache: "dict[int, tuple]" = {}
+
+    @classmethod
+    def get(cls, wd: torch.Tensor) -> torch.Tensor:
+        if wd.t().is_contiguous():
+            return wd
+        try:
+            version = wd._version
+        except RuntimeError:  # inference-mode tensor
+            version = None
+        if version is None or _capturing():
+            return wd.t().contiguous().t()
+        key = id(wd)
+        hit = cls._cache.get(key)
+        if hit is not None and hit[0]() is wd and hit[1] == (version, wd.data_ptr(), tuple(wd.shape), wd.dtype):
+            return hit[2]
+        rows = wd.t().contiguous().t()
+        cls._cache[key] = (weakref.ref(wd, lambda _, k=key: cls._cache.pop(k, None)),
+                           (version, wd.data_ptr(), tuple(wd.shape), wd.dtype), rows)
+        return rows
+
+
+def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool) -> reference.ForwardResult:
     from twell_compile.kernels.gate_pack import gate_pack
     from twell_compile.kernels.sparse_ffn import sparse_ffn
 
     gated = wg is not None
     packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
     guard = _guard_rows(x2d, wg, wu, wd, bg, bu, bd)
-    out, up_val = sparse_ffn(x2d, packed, wu, wd, bu, bd, dense_rows=guard, wg=wg, bg=bg, return_up=True)
+    wd_rows = _DownRows.get(wd)
+    if training:  # the backward needs the up values at the stored pairs
+        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, dense_rows=guard, wg=wg, bg=bg, return_up=True)
+    else:
+        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, dense_rows=guard, wg=wg, bg=bg), None
     dense_rows = packed.overflow_rows() | guard
     l1 = None
     if want_l1:
@@ -195,24 +274,36 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, want_l1: bool) -> reference.For
 
 def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l1_scale):
     """Gradients of ``loss + l1_scale · L1``, on the path the forward took."""
-    if _DENSE_FORWARDS.get(packed.count.data_ptr(), False) or x2d.dtype == torch.float64:
-        return _dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale)
+    key = packed.count.data_ptr()
+    if _DENSE_FORWARDS.get(key, False) or x2d.dtype == torch.float64:
+        saved = None if _capturing() else _DENSE_SAVED.pop(key, None)
+        return _dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale, saved)
     from twell_compile.kernels.sparse_ffn_bwd import sparse_ffn_backward
 
     dense_rows = _backward_guard_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed)
-    return sparse_ffn_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, dense_rows, l1_scale)
+    return sparse_ffn_backward(dout2d, x2d, wg, wu, _DownRows.get(wd), bg, bu, bd, packed, up_val, dense_rows, l1_scale)
 
 
-def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale) -> reference.Grads:
-    """Dense autograd's formulas in the input dtype; gate and up are recomputed (not saved)."""
+def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> reference.Grads:
+    """Dense autograd's formulas in the input dtype, on the forward's ``saved = (act, up, h)``,
+    or on them recomputed from ``x`` when the forward kept none.
+
+    ``threshold_backward`` is ReLU's own backward (``0 where act <= 0``, NaN passes), and the L1
+    scale is cast to the input dtype first, as autograd's scalar gradient is: mixed-dtype
+    elementwise kernels are not vectorised and cost ~3x more on the H200.
+    """
     gated = wg is not None
-    up = F.linear(x, wu, bu)
-    pre = F.linear(x, wg, bg) if gated else up
-    act = torch.relu(pre)
-    h = act * up if gated else act
-    dh = dout @ wd + (l1_scale / max(1, x.shape[0]) * torch.sign(h)).to(x.dtype)
-    d_gate = torch.where(pre <= 0, 0.0, dh * up).to(x.dtype) if gated else None
-    d_up = dh * act if gated else torch.where(pre <= 0, 0.0, dh).to(x.dtype)
+    if saved is not None:
+        act, up, h = saved
+    else:
+        up = F.linear(x, wu, bu)
+        act = torch.relu(F.linear(x, wg, bg) if gated else up)
+        h = act * up if gated else act
+    coef = (l1_scale / max(1, x.shape[0])).to(x.dtype)
+    dh = torch.addcmul(dout @ wd, torch.sign(h), coef)
+    threshold_backward = torch.ops.aten.threshold_backward
+    d_gate = threshold_backward(dh * up, act, 0) if gated else None
+    d_up = dh * act if gated else threshold_backward(dh, act, 0)
     dx = d_up @ wu if not gated else d_gate @ wg + d_up @ wu
     return reference.Grads(
         dx=dx,

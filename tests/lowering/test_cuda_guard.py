@@ -65,3 +65,57 @@ def test_backward_guard_adds_dout_rows_and_overflow_rows():
     ref = R.backward_dense_rows_ref(dout, x, wg, wu, wd, bg, bu, bd, packed)
     assert bool((got | ~ref).all())
     assert got[3]
+
+
+# The dense path and its saved activations are plain torch too.
+
+
+def _grads_close(a, b, tol=1e-10):
+    for name, ga, gb in zip(a._fields, a, b):
+        assert (ga is None) == (gb is None), name
+        if ga is not None:
+            assert torch.allclose(ga, gb, rtol=tol, atol=tol), name
+
+
+def test_dense_backward_on_saved_activations_equals_recomputing():
+    for gated in (True, False):
+        x, wg, wu, wd, _, bu, _ = _ffn(dtype=torch.float64)
+        wg = wg if gated else None
+        dout = torch.randn_like(x)
+        scale = torch.tensor(0.3, dtype=torch.float64)
+        res, _, _, saved = cuda_impl._dense_forward(x, wg, wu, wd, None, bu, None, True, False)
+        assert len(saved) == 3
+        kept = cuda_impl._dense_backward(dout, x, wg, wu, wd, None, bu, None, scale, saved)
+        recomputed = cuda_impl._dense_backward(dout, x, wg, wu, wd, None, bu, None, scale)
+        _grads_close(kept, recomputed)
+        # and both are autograd of loss + scale · (1/M) Σ|h|
+        ref = R.ffn_backward_ref(dout, x, wg, wu, wd, None, bu, None, R.gate_pack_ref(x, wg if gated else wu, None if gated else bu),
+                                 R.ffn_forward_ref(x, wg, wu, wd, None, bu, None).up_val, scale)
+        assert torch.allclose(kept.dx, ref.dx, rtol=1e-9, atol=1e-9)
+        assert torch.allclose(kept.dwu, ref.dwu, rtol=1e-9, atol=1e-9)
+
+
+def test_saved_activations_are_popped_once_and_not_kept_under_saved_tensor_hooks():
+    count = torch.zeros(4, 2, dtype=torch.int32)
+    cuda_impl._remember(count, True, ("act", "up", "h"))
+    assert cuda_impl._DENSE_SAVED.pop(count.data_ptr()) == ("act", "up", "h")
+    cuda_impl._remember(count, False, None)  # a later sparse forward at the same address clears it
+    assert count.data_ptr() not in cuda_impl._DENSE_SAVED
+    cuda_impl._remember(count, True, ("act", "up", "h"))
+    cuda_impl._remember(count, False)
+    assert count.data_ptr() not in cuda_impl._DENSE_SAVED
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        cuda_impl._remember(count, True, ("act", "up", "h"))
+    assert count.data_ptr() not in cuda_impl._DENSE_SAVED
+
+
+def test_down_rows_copy_is_kept_until_the_weight_changes():
+    wd = torch.randn(6, 10)
+    first = cuda_impl._DownRows.get(wd)
+    assert first.t().is_contiguous() and torch.equal(first, wd)
+    assert cuda_impl._DownRows.get(wd) is first
+    wd.mul_(2)  # in-place update: version bump
+    second = cuda_impl._DownRows.get(wd)
+    assert second is not first and torch.equal(second, wd)
+    rows = torch.randn(10, 6)
+    assert cuda_impl._DownRows.get(rows.t()).data_ptr() == rows.data_ptr()  # already Wdᵀ-major: no copy
