@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-DEFAULT_DENSITIES = (0.003, 0.005, 0.01, 0.02, 0.05, 0.2)
+DEFAULT_DENSITIES = (0.003, 0.005, 0.01, 0.02, 0.05, 0.2, 0.5)
 
 
 @dataclass
