@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_DENSITIES = (0.003, 0.005, 0.01, 0.02, 0.05, 0.2, 0.5)
+E2E_DENSITIES = (0.003, 0.005, 0.02)  # each point compiles the whole model twice per mode
 
 
 @dataclass
@@ -230,19 +231,37 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--m", type=int, nargs="+", default=[16384], help="token counts (default 16384)")
     parser.add_argument("--d", type=int, default=2048, help="model dimension D (default 2048)")
     parser.add_argument("--h", type=int, default=5632, help="hidden dimension H (default 5632)")
-    parser.add_argument("--densities", type=float, nargs="+", default=list(DEFAULT_DENSITIES), help="target densities of h (fractions)")
+    parser.add_argument("--densities", type=float, nargs="+", default=None,
+                        help=f"target densities of h (fractions; default {' '.join(map(str, DEFAULT_DENSITIES))}, "
+                             f"with --e2e {' '.join(map(str, E2E_DENSITIES))})")
     parser.add_argument("--modes", nargs="+", choices=["inference", "training"], default=["inference", "training"])
     parser.add_argument("--skewed", action="store_true", help="also run per-neuron skewed densities")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per point (median reported)")
     parser.add_argument("--max-sparse-train-density", type=float, default=0.021, help="time the forced sparse training path only up to this density (it is slow when dense)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv and the PNG plot")
+    e2e = parser.add_argument_group("end to end (--e2e): a Hugging Face Llama, backend='twell' against 'inductor'")
+    e2e.add_argument("--e2e", action="store_true", help="benchmark the whole model instead of one FFN block")
+    e2e.add_argument("--layers", type=int, default=38, help="decoder layers (default 38, the paper's 2B model)")
+    e2e.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    e2e.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    e2e.add_argument("--iters", type=int, default=10, help="timed steps per point (default 10)")
     args = parser.parse_args(argv)
+    for flag in ("layers", "batch", "seq", "iters", "reps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.densities is None:
+        args.densities = list(E2E_DENSITIES if args.e2e else DEFAULT_DENSITIES)
+    bad = [p for p in args.densities if not 0.0 < p < 1.0]
+    if bad:
+        parser.error(f"--densities must be fractions in (0, 1), got {bad[0]}")
     if not torch.cuda.is_available():
         print("twell bench: needs a CUDA GPU (none found); the CPU path is a reference, not a benchmark", file=sys.stderr)
         return 2
     import twell_compile.lowering  # noqa: F401  (registers torch.ops.twell)
 
     torch.backends.cuda.matmul.allow_tf32 = True
+    if args.e2e:
+        return _main_e2e(args)
     compiled_cache: dict = {}
     rows: list[Row] = []
     variants = [False, True] if args.skewed else [False]
@@ -261,6 +280,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     print_table(rows)
     for path in write_outputs(rows, args.out):
         print(f"wrote {path}")
+    return 0
+
+
+def _main_e2e(args) -> int:
+    from .bench_e2e import format_table, run
+
+    t0 = time.time()
+    rows = run(args.densities, layers=args.layers, batch=args.batch, seq=args.seq, modes=tuple(args.modes),
+               iters=args.iters, log=lambda line: print(line, flush=True))
+    print(f"\ntwell bench --e2e on {torch.cuda.get_device_name()} (torch {torch.__version__}); {time.time() - t0:.0f} s")
+    print(format_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "e2e.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    print(f"wrote {path}")
     return 0
 
 

@@ -1,0 +1,190 @@
+"""``twell bench --e2e``: a Hugging Face Llama end to end, ``backend="twell"`` against Inductor.
+
+DESIGN.md section 10. The model is ``LlamaForCausalLM`` in the paper's 2B shape (hidden 2048,
+intermediate 5632, 38 layers, 32 heads, vocab 49152) with ``hidden_act="relu"`` and
+``mlp_bias=True``, randomly initialised. A random model is ~50% dense, so each gate bias is set
+(``calibrate_gate_biases``) to put every neuron at the target density on a calibration batch,
+one layer after the other, since each layer's bias shifts the inputs of the next.
+
+Measured, for each density and both backends (both ``torch.compile``d in the same process):
+
+* inference: tokens/s of the backbone (``model.model``, no LM head) on ``batch × seq`` tokens,
+  under ``torch.no_grad()``;
+* training: tokens/s of a step: forward with labels, backward, AdamW step (twell adds its L1
+  gradient; the loss is the language-model loss either way).
+
+Also reported: the measured density of ``h`` (twell's per-layer counters) and how many layers
+ran the sparse path. Timing is wall time over ``iters`` steps after warm-up, synchronised at both
+ends (CUDA events would miss host-bound stretches between kernels).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+PAPER_2B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=38, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=49152)
+
+
+@dataclass
+class E2ERow:
+    mode: str  # "inference" or "training"
+    target_density: float
+    measured_density: float  # mean over layers of active units / H, from twell's counters
+    sparse_layers: int  # layers whose last call took the sparse path
+    layers: int
+    tokens: int  # per step
+    inductor_tok_s: float
+    twell_tok_s: float
+    speedup: float  # twell ÷ inductor tokens/s
+
+
+def llama_config(**overrides):
+    """The paper's 2B Llama shape with ReLU MLPs and MLP biases (``overrides`` for smaller runs)."""
+    from transformers import LlamaConfig
+
+    shape = {**PAPER_2B, **overrides}
+    return LlamaConfig(hidden_act="relu", mlp_bias=True, attention_dropout=0.0,
+                       max_position_embeddings=max(2048, shape.pop("max_position_embeddings", 2048)), **shape)
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def calibrate_gate_biases(model, tokens: torch.Tensor, density: float) -> list[float]:
+    """Set every ``mlp.gate_proj.bias`` so each neuron is active on ``density`` of ``tokens``.
+
+    Layer by layer: run the model up to layer ``l``'s gate projection (stopping there), then shift
+    that layer's bias by the per-neuron order statistic at ``1 - density``. Returns the fraction
+    of active gate units per layer on the calibration batch, after calibration.
+    """
+    if not 0.0 < density < 1.0:
+        raise ValueError(f"density must be in (0, 1), got {density}")
+    layers = model.model.layers
+    achieved = []
+    for layer in layers:
+        gate = layer.mlp.gate_proj
+        captured = {}
+
+        def hook(_mod, _args, out, captured=captured):
+            captured["pre"] = out.reshape(-1, out.shape[-1]).float()
+            raise _Stop
+
+        handle = gate.register_forward_hook(hook)
+        try:
+            model.model(tokens)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+        pre = captured["pre"]
+        n = pre.shape[0]
+        k = min(n, max(1, n - round(density * n)))  # k-th smallest: the top n-k stay positive
+        threshold = pre.kthvalue(k, dim=0).values
+        gate.bias.sub_(threshold.to(gate.bias.dtype))
+        achieved.append(((pre - threshold) > 0).float().mean().item())
+    return achieved
+
+
+def _tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return tokens * iters / (time.perf_counter() - start)
+
+
+def run_point(base, density: float, *, batch: int, seq: int, modes=("inference", "training"), warmup: int = 3,
+              iters: int = 10, baseline: str = "inductor", l1_coeff: float = 2e-5, device: str = "cuda",
+              log: Callable[[str], None] = print) -> list[E2ERow]:
+    """Calibrate ``base`` (in place) for ``density`` and time both backends on it."""
+    import twell_compile
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    vocab = base.config.vocab_size
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    achieved = calibrate_gate_biases(base, tokens, density)
+    log(f"  calibrated gate biases for {density:.2%}: {min(achieved):.2%}..{max(achieved):.2%} per layer on the calibration batch")
+    rows = []
+    n_tokens = batch * seq
+    for mode in modes:
+        speeds = {}
+        for backend in (baseline, "twell"):
+            torch._dynamo.reset()
+            twell_compile.reset()
+            if mode == "inference":
+                model = base.eval()
+                compiled = torch.compile(model.model, backend=backend)
+
+                def step():
+                    with torch.no_grad():
+                        return compiled(tokens)
+            else:
+                import copy
+
+                model = copy.deepcopy(base).train()
+                opts = {"options": {"l1_coeff": l1_coeff}} if backend == "twell" else {}
+                compiled = torch.compile(model, backend=backend, **opts)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+                def step():
+                    loss = compiled(tokens, labels=tokens).loss
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            speeds[backend] = _tokens_per_s(step, n_tokens, warmup, iters)
+            log(f"  {mode:<9} {backend:<8} {speeds[backend]:,.0f} tokens/s")
+            if backend == "twell":
+                stats = twell_compile.stats()
+                hidden = base.config.intermediate_size
+                measured = sum(s.l0 for s in stats.layers) / max(1, len(stats.layers)) / hidden
+                sparse_layers = sum(s.path == "sparse" for s in stats.layers)
+                layers = len(stats.layers)
+            del compiled, model
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        rows.append(E2ERow(mode, density, measured, sparse_layers, layers, n_tokens, speeds[baseline], speeds["twell"],
+                           speeds["twell"] / speeds[baseline]))
+    return rows
+
+
+def run(densities, *, layers: int = 38, batch: int = 8, seq: int = 2048, modes=("inference", "training"),
+        warmup: int = 3, iters: int = 10, device: str = "cuda", dtype=torch.bfloat16, config_overrides: Optional[dict] = None,
+        baseline: str = "inductor", log: Callable[[str], None] = print) -> list[E2ERow]:
+    """The end-to-end benchmark over ``densities`` on one model (rebuilt per density)."""
+    from transformers import LlamaForCausalLM
+
+    rows = []
+    for density in densities:
+        torch.manual_seed(0)
+        cfg = llama_config(num_hidden_layers=layers, max_position_embeddings=seq, **(config_overrides or {}))
+        base = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+        log(f"density {density:.2%}: Llama {layers} layers, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, "
+            f"{batch}x{seq} tokens, {dtype}")
+        rows += run_point(base, density, batch=batch, seq=seq, modes=modes, warmup=warmup, iters=iters,
+                          baseline=baseline, device=device, log=log)
+        del base
+    return rows
+
+
+def format_table(rows: list[E2ERow], baseline: str = "inductor") -> str:
+    header = (f"{'mode':<9} {'density':>8} {'measured':>8} {'sparse layers':>13} {'tokens':>7} "
+              f"{baseline + ' tok/s':>15} {'twell tok/s':>13} {'speedup':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        measured = "n/a" if math.isnan(r.measured_density) else f"{r.measured_density:.2%}"
+        lines.append(f"{r.mode:<9} {r.target_density:>8.2%} {measured:>8} {f'{r.sparse_layers}/{r.layers}':>13} {r.tokens:>7} "
+                     f"{r.inductor_tok_s:>15,.0f} {r.twell_tok_s:>13,.0f} {r.speedup:>7.2f}x")
+    return "\n".join(lines)
