@@ -178,13 +178,14 @@ def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, c
     """
     up = F.linear(x2d, wu, bu)
     pre = up if wg is None else F.linear(x2d, wg, bg)
-    act = torch.relu(pre)
-    h = act if wg is None else act * up
-    out = F.linear(h, wd, bd)
     m, hidden = pre.shape
     n_tiles, slots = DEFAULT_LAYOUT.n_tiles(hidden), DEFAULT_LAYOUT.slots
     dev = x2d.device
     active, overflow_rows = _sampled_counts(pre, n_tiles) if count else (None, None)
+    act = torch.relu(pre)
+    del pre  # gated: dense autograd keeps relu(gate), not gate
+    h = act if wg is None else act * up
+    out = F.linear(h, wd, bd)
     if training:
         # TwELL buffers of the right shapes with every tile marked overflowed: the backward then
         # treats every row as dense, so even one that does not know this forward was dense is
@@ -276,8 +277,9 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     """Gradients of ``loss + l1_scale · L1``, on the path the forward took."""
     key = packed.count.data_ptr()
     if _DENSE_FORWARDS.get(key, False) or x2d.dtype == torch.float64:
-        saved = None if _capturing() else _DENSE_SAVED.pop(key, None)
-        return _dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale, saved)
+        # The popped activations go straight in: no reference here outlives their last use there.
+        return _dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale,
+                               None if _capturing() else _DENSE_SAVED.pop(key, None))
     from twell_compile.kernels.sparse_ffn_bwd import sparse_ffn_backward
 
     dense_rows = _backward_guard_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed)
@@ -290,26 +292,39 @@ def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> re
 
     ``threshold_backward`` is ReLU's own backward (``0 where act <= 0``, NaN passes), and the L1
     scale is cast to the input dtype first, as autograd's scalar gradient is: mixed-dtype
-    elementwise kernels are not vectorised and cost ~3x more on the H200.
+    elementwise kernels are not vectorised and cost ~3x more on the H200. Each ``[M, H]`` tensor
+    is dropped as soon as it is used for the last time (autograd frees saved tensors node by
+    node), and ``dh`` becomes ``d_up`` in place, so the peak stays near dense autograd's.
     """
     gated = wg is not None
     if saved is not None:
         act, up, h = saved
+        saved = None  # the caller passes the registry's only reference
     else:
         up = F.linear(x, wu, bu)
         act = torch.relu(F.linear(x, wg, bg) if gated else up)
         h = act * up if gated else act
     coef = (l1_scale / max(1, x.shape[0])).to(x.dtype)
-    dh = torch.addcmul(dout @ wd, torch.sign(h), coef)
+    dh = dout @ wd
+    dh.addcmul_(torch.sign(h), coef)
+    dwd = dout.T @ h
+    del h
     threshold_backward = torch.ops.aten.threshold_backward
-    d_gate = threshold_backward(dh * up, act, 0) if gated else None
-    d_up = dh * act if gated else threshold_backward(dh, act, 0)
-    dx = d_up @ wu if not gated else d_gate @ wg + d_up @ wu
+    if gated:
+        d_gate = threshold_backward(dh * up, act, 0)
+        del up
+        d_up = dh.mul_(act)  # dh is not read again
+        dx = torch.addmm(d_gate @ wg, d_up, wu)
+    else:
+        d_gate = None
+        d_up = threshold_backward(dh, act, 0)
+        dx = d_up @ wu
+    del act, dh
     return reference.Grads(
         dx=dx,
         dwg=d_gate.T @ x if gated else None,
         dwu=d_up.T @ x,
-        dwd=dout.T @ h,
+        dwd=dwd,
         dbg=d_gate.sum(0) if (gated and bg is not None) else None,
         dbu=d_up.sum(0) if bu is not None else None,
         dbd=dout.sum(0) if bd is not None else None,
