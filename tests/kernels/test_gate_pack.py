@@ -286,3 +286,23 @@ def test_gpu_benchmark_shape_random(density):
     clear = (pre64.abs() > 1e-6 * scale).view(m, -1, 128).all(-1)  # h = 44 · 128
     assert clear.float().mean() > 0.9
     assert torch.equal(got.count[clear], ref.count[clear])
+
+
+@pytest.mark.parametrize("use_tma", [False, True])
+@pytest.mark.parametrize("h", [2 * 128 + 7, 4 * 128])  # odd and even tile counts
+def test_two_tiles_per_program(monkeypatch, h, use_tma):
+    """The 128x256 configs (``TILES_N=2``): each half packs its own TwELL tile, and the half past
+    the last tile (odd tile counts) writes nothing."""
+    import triton
+
+    from twell_compile.kernels import gate_pack as GP
+
+    config = triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 2, "TILES_N": 2}, num_warps=4, num_stages=1,
+                           pre_hook=GP._set_tma_blocks)
+    monkeypatch.setattr(GP._gate_pack_kernel, "configs", [config])
+    x, w, b = int_inputs(40, 24, h, torch.float16, 3, bias=True, density_shift=-6)
+    got = gate_pack(x, w, b, use_tma=use_tma)
+    assert GP._gate_pack_kernel.best_config.kwargs["TILES_N"] == 2
+    ref = R.gate_pack_ref(x, w, b)
+    assert ref.count.sum() > 0
+    assert_packed_equal(got, ref)
