@@ -1,9 +1,10 @@
 """Gate GEMM with a TwELL-packing epilogue: ``packed = TwELL(x Wᵀ + b)``.
 
 Math. For ``x [M, D]`` and ``W [H, D]`` (``nn.Linear`` layout), ``pre = x Wᵀ + b`` is ``[M, H]``.
-Each program computes one ``BLOCK_M × 128`` tile of ``pre`` in an fp32 accumulator. The 128
-columns are exactly one TwELL tile (``format.TILE_N``), so the epilogue packs that tile's rows
-without talking to any other program:
+Each program computes one ``BLOCK_M × 128`` tile of ``pre`` in an fp32 accumulator (or
+``BLOCK_M × 256``, two tiles side by side, with ``TILES_N=2``). 128 columns are exactly one TwELL
+tile (``format.TILE_N``), so the epilogue packs each tile's rows without talking to any other
+program:
 
 * ``active = not (pre <= 0)`` (NaN is active: ``relu(NaN)`` is NaN), columns ``>= H`` inactive;
 * ``rank = cumsum(active) - 1`` along the tile row, ``count = sum(active)``;
