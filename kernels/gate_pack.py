@@ -1,11 +1,9 @@
 """Gate GEMM with a TwELL-packing epilogue: ``packed = TwELL(x Wᵀ + b)``.
 
 Math. For ``x [M, D]`` and ``W [H, D]`` (``nn.Linear`` layout), ``pre = x Wᵀ + b`` is ``[M, H]``.
-Each program computes one ``BLOCK_M × 128`` tile of ``pre`` in an fp32 accumulator (or
-``BLOCK_M × 256``, two tiles side by side, with ``TILES_N=2``: ``WIDE_CANDIDATES``, not yet
-compiled for a GPU, so not in the default configs). 128 columns are exactly one TwELL
-tile (``format.TILE_N``), so the epilogue packs each tile's rows without talking to any other
-program:
+Each program computes one ``BLOCK_M × 128`` tile of ``pre`` in an fp32 accumulator. The 128
+columns are exactly one TwELL tile (``format.TILE_N``), so the epilogue packs that tile's rows
+without talking to any other program:
 
 * ``active = not (pre <= 0)`` (NaN is active: ``relu(NaN)`` is NaN), columns ``>= H`` inactive;
 * ``rank = cumsum(active) - 1`` along the tile row, ``count = sum(active)``;
@@ -56,47 +54,31 @@ def _set_tma_blocks(nargs) -> None:
     """Autotune pre-hook: the descriptors' block shapes follow the config's tile sizes."""
     if isinstance(nargs["x"], TensorDescriptor):
         nargs["x"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["w"].block_shape = [nargs["BLOCK_N"] * nargs["TILES_N"], nargs["BLOCK_K"]]
-
-
-def _config(bm, bk, warps, stages, epi, tiles_n=1):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": epi, "TILES_N": tiles_n}, num_warps=warps,
-                         num_stages=stages, pre_hook=_set_tma_blocks)
-
-
-# 128x256 programs (TILES_N=2, two TwELL tiles each): the tile shape of cuBLAS's and the
-# reference's fastest gate GEMMs (m64n256 wgmma). Checked in the interpreter only, never compiled
-# for a GPU yet, so they are candidates for the next H200 sweep, not part of the default list
-# (an autotune config that fails to compile for another reason than resources raises).
-WIDE_CANDIDATES = [_config(128, 64, 8, 3, 4, 2), _config(64, 64, 4, 4, 2, 2)]
+        nargs["w"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
 def _cuda_configs():
     # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT); BLOCK_N is the format's tile_n. An 11-config
-    # sweep on the H200 (bf16, D=2048, H=5632, M=16384, 0.5% density, TMA loads) ranked the first
-    # three at 0.836, 0.849 and 0.858 ms, against 0.53 ms for cuBLAS's gate GEMM alone; EPI_SPLIT 1
-    # was 20-30% slower at each tile shape. A popcount rank (bit words per row instead of a prefix
-    # scan) measured no faster, so the scan stays. 128x32 is for fp32 (IEEE products, pointer
-    # loads), whose wider tiles need more shared memory than sm90 has.
+    # sweep on the H200 (bf16, D=2048, H=5632, M=16384, 0.5% density, TMA loads) ranked these
+    # three first: 0.836, 0.849 and 0.858 ms, against 0.53 ms for cuBLAS's gate GEMM alone;
+    # EPI_SPLIT 1 was 20-30% slower at each tile shape. A popcount rank (bit words per row instead
+    # of a prefix scan) measured no faster, so the scan stays. 128x32 is for fp32 (IEEE products,
+    # pointer loads), whose wider tiles need more shared memory than sm90 has.
     shapes = [(128, 64, 8, 4, 2), (256, 64, 8, 3, 4), (64, 64, 4, 4, 2), (128, 32, 8, 3, 4)]
-    return [_config(*shape) for shape in shapes]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": e}, num_warps=w, num_stages=s, pre_hook=_set_tma_blocks)
+        for bm, bk, w, s, e in shapes
+    ]
 
 
 def _configs():
     if INTERPRET:  # one config: multi-config autotuning needs a GPU driver
-        return [_config(32, 32, 4, 1, 4)]
+        config = {"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 4}
+        return [triton.Config(config, num_warps=4, num_stages=1, pre_hook=_set_tma_blocks)]
     return _cuda_configs()
 
 
-def _prune(configs, nargs, **kwargs):
-    """Programs at most 256 columns wide: a TMA box side is at most 256 elements."""
-    keep = [c for c in configs if c.kwargs["TILES_N"] * kwargs["BLOCK_N"] <= 256]
-    return keep or [triton.Config({**configs[0].kwargs, "TILES_N": 1}, num_warps=configs[0].num_warps,
-                                  num_stages=configs[0].num_stages, pre_hook=_set_tma_blocks)]
-
-
-@triton.autotune(configs=_configs(), key=["D", "H", "USE_TMA", "IEEE", "BLOCK_N"],
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=["D", "H", "USE_TMA", "IEEE"])
 @triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _gate_pack_kernel(
@@ -109,37 +91,34 @@ def _gate_pack_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, TILES_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """Pack ``pre = x @ wᵀ + b`` into TwELL, one ``BLOCK_M × (TILES_N · BLOCK_N)`` tile per program.
+    """Pack ``pre = x @ wᵀ + b`` into TwELL, one ``BLOCK_M × BLOCK_N`` tile per program.
 
     x: ``[M, D]``; w: ``[H, D]``; b: ``[H]`` (if HAS_BIAS). Writes ``count [M, N_TILES]`` int32
     (uncapped), and for the first ``min(count, SLOTS)`` actives of each tile row, in increasing
     column order, ``idx [M, N_TILES, SLOTS]`` int32 (global column) and ``val`` fp32 (``pre``).
-    Other slots are left untouched. ``BLOCK_N`` must equal the layout's ``tile_n``; a program
-    covers ``TILES_N`` (1 or 2) consecutive TwELL tiles.
+    Other slots are left untouched. ``BLOCK_N`` must equal the layout's ``tile_n``.
     """
-    # Grouped order: GROUP_M row-blocks sweep all column blocks together, for L2 reuse of W.
-    WIDE: tl.constexpr = TILES_N * BLOCK_N
+    # Grouped order: GROUP_M row-blocks sweep all column tiles together, for L2 reuse of W.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    pids_in_group = GROUP_M * tl.cdiv(N_TILES, TILES_N)
+    pids_in_group = GROUP_M * N_TILES
     first_m = (pid // pids_in_group) * GROUP_M
     group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % pids_in_group) % group_m
     pid_n = (pid % pids_in_group) // group_m
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * WIDE + tl.arange(0, WIDE)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, WIDE), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     if USE_TMA:
         # Out-of-bounds rows, columns and K are zero-filled by the TMA unit.
         for k0 in range(0, D, BLOCK_K):
             a = x.load([pid_m * BLOCK_M, k0])
-            bt = w.load([pid_n * WIDE, k0])
+            bt = w.load([pid_n * BLOCK_N, k0])
             if INTERPRET:
                 a = a.to(tl.float32)
                 bt = bt.to(tl.float32)
@@ -175,35 +154,19 @@ def _gate_pack_kernel(
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc = overflow_like(acc, OVF)
 
-    if TILES_N == 1:
-        _pack_tile(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS, EPI_SPLIT)
-    else:
-        tl.static_assert(TILES_N == 2, "TILES_N must be 1 or 2")
-        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        cols_l = pid_n * WIDE + tl.arange(0, BLOCK_N)
-        _pack_tile(left, pid_m * BLOCK_M, cols_l, cols_l < H, 2 * pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES,
-                   SLOTS, EPI_SPLIT)
-        _pack_tile(right, pid_m * BLOCK_M, cols_l + BLOCK_N, cols_l + BLOCK_N < H, 2 * pid_n + 1, idx_ptr, val_ptr,
-                   count_ptr, M, N_TILES, SLOTS, EPI_SPLIT)
-
-
-@triton.jit
-def _pack_tile(acc, row0, cols, col_ok, tile, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr,
-               EPI_SPLIT: tl.constexpr):
-    """Pack one TwELL tile column ``acc [BLOCK_M, tile_n]`` in EPI_SPLIT row slices: packing a
-    128x128 tile at once holds a rank and an address per element on top of the accumulator,
-    which spills (ptxas -v, sm90, bf16)."""
+    # Epilogue on EPI_SPLIT row slices of the tile: packing a 128x128 tile at once holds a rank and
+    # an address per element on top of the accumulator, which spills (ptxas -v, sm90, bf16).
     if EPI_SPLIT == 1:
-        _pack_rows(acc, row0, cols, col_ok, tile, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+        _pack_rows(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
     elif EPI_SPLIT == 2:
-        _pack_halves(acc, row0, cols, col_ok, tile, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+        _pack_halves(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
     elif EPI_SPLIT == 4:
-        _pack_quarters(acc, row0, cols, col_ok, tile, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+        _pack_quarters(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
     else:
         tl.static_assert(EPI_SPLIT == 8, "EPI_SPLIT must be 1, 2, 4 or 8")
         top, bottom = _split_rows(acc)
-        _pack_quarters(top, row0, cols, col_ok, tile, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
-        _pack_quarters(bottom, row0 + acc.shape[0] // 2, cols, col_ok, tile, idx_ptr, val_ptr, count_ptr,
+        _pack_quarters(top, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+        _pack_quarters(bottom, pid_m * BLOCK_M + BLOCK_M // 2, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr,
                        M, N_TILES, SLOTS)
 
 
@@ -253,7 +216,7 @@ def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N
     slot = (rows64 * (N_TILES * SLOTS) + pid_n * SLOTS)[:, None] + rank
     tl.store(idx_ptr + slot, cols[None, :] + tl.zeros(pre.shape, dtype=tl.int32), mask=keep)
     tl.store(val_ptr + slot, pre, mask=keep)
-    tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok & (pid_n < N_TILES))
+    tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok)
 
 
 def overflow_threshold(dtype: torch.dtype) -> float:
@@ -330,7 +293,7 @@ def gate_pack(
         wa = TensorDescriptor.from_tensor(w, [16, 16])
     else:
         xa, wa = x, w
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n_tiles, meta["TILES_N"]),)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
     _gate_pack_kernel[grid](
         xa, wa, b if b is not None else packed.val, packed.idx, packed.val, packed.count,
         m, d, h, n_tiles,

@@ -287,18 +287,3 @@ def test_gpu_benchmark_shape_random(density):
     assert clear.float().mean() > 0.9
     assert torch.equal(got.count[clear], ref.count[clear])
 
-
-@pytest.mark.parametrize("use_tma", [False, True])
-@pytest.mark.parametrize("h", [2 * 128 + 7, 4 * 128])  # odd and even tile counts
-def test_two_tiles_per_program(monkeypatch, h, use_tma):
-    """Two TwELL tiles per program (``TILES_N=2``, the ``WIDE_CANDIDATES``): each half packs its
-    own tile, and the half past the last tile (odd tile counts) writes nothing."""
-    from twell_compile.kernels import gate_pack as GP
-
-    monkeypatch.setattr(GP._gate_pack_kernel, "configs", [GP._config(32, 32, 4, 1, 2, tiles_n=2)])
-    x, w, b = int_inputs(40, 24, h, torch.float16, 3, bias=True, density_shift=-6)
-    got = gate_pack(x, w, b, use_tma=use_tma)
-    assert GP._gate_pack_kernel.best_config.kwargs["TILES_N"] == 2
-    ref = R.gate_pack_ref(x, w, b)
-    assert ref.count.sum() > 0
-    assert_packed_equal(got, ref)
