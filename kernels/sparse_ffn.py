@@ -26,8 +26,9 @@ Kernels:
   0..a-1 by a prefix sum over its tile counts; the loop takes ``CH`` pairs at a time, each found
   by a compare-and-count over those prefix sums and one gather of its ``idx``/``val`` (a
   ``[CH, N_TILES]`` search; a one-hot pick out of the whole ``[N_TILES, SLOTS]`` row, with no
-  dependent load, was 12% slower on the H200), then one ``[CH, D]`` gather of ``Wdᵀ`` rows and one of ``Wu``
-  rows, issued together, ``CH`` dot products, one rank-``CH`` update of the output row.
+  dependent load, was 12% slower on the H200), then one ``[CH, D]`` gather of ``Wdᵀ`` rows and
+  one of ``Wu`` rows, issued together, ``CH`` dot products, one rank-``CH`` update of the output
+  row.
 * ``_dense_rows_kernel``: one program per (``BM`` rows, ``BD`` output columns); it returns at once
   unless a row of its block is whole-dense, then runs gate/up/down with ``tl.dot`` over all H and
   stores those rows only. Gate and up are recomputed for each of the ``D / BD`` column blocks.

@@ -158,8 +158,8 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
         res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1)
         active, dense_rows = res.packed.count.sum(), res.dense_rows.sum()
     else:
-        count = want_l1 or policy.calls % COUNT_EVERY == 0 or policy.last_sparse
-        res, active, dense_rows, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, count)
+        measure = want_l1 or policy.calls % COUNT_EVERY == 0 or policy.last_sparse
+        res, active, dense_rows, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, measure)
     if training:
         _remember(res.packed.count, not sparse, saved)
     buf = telemetry.record(layer, tokens=x2d.shape[0], active=active, dense_rows=dense_rows, l1=res.l1, sparse=sparse,
@@ -168,12 +168,12 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     return res, sparse
 
 
-def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, count: bool = True):
+def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, measure: bool = True):
     """The dense FFN in the input dtype (exactly what the rewrite replaced).
 
     Returns the result, the estimated active count and overflow rows, measured on every
     ``SAMPLE_STRIDE``-th row (the counters only steer the next call's path, and a full pass over
-    the ``[M, H]`` gate would cost ~6% of the dense FFN), or ``None, None`` unless ``count``; and
+    the ``[M, H]`` gate would cost ~6% of the dense FFN), or ``None, None`` unless ``measure``; and
     in training ``(act, up, h)`` for the backward: what dense autograd saves.
     """
     up = F.linear(x2d, wu, bu)
@@ -181,7 +181,7 @@ def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, c
     m, hidden = pre.shape
     n_tiles, slots = DEFAULT_LAYOUT.n_tiles(hidden), DEFAULT_LAYOUT.slots
     dev = x2d.device
-    active, overflow_rows = _sampled_counts(pre, n_tiles) if count else (None, None)
+    active, overflow_rows = _sampled_counts(pre, n_tiles) if measure else (None, None)
     act = torch.relu(pre)
     del pre  # gated: dense autograd keeps relu(gate), not gate
     h = act if wg is None else act * up

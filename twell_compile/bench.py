@@ -190,14 +190,18 @@ def print_table(rows: list[Row], file=sys.stdout) -> None:
         )
 
 
-def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path = out_dir / "bench.csv"
-    with csv_path.open("w", newline="") as f:
+def write_csv(rows: list, path: Path) -> Path:
+    """``rows`` (dataclasses of one type) as a CSV with a header; creates the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
-    paths = [csv_path]
+    return path
+
+
+def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
+    paths = [write_csv(rows, out_dir / "bench.csv")]
     try:
         import matplotlib
 
@@ -291,13 +295,7 @@ def _main_e2e(args) -> int:
                iters=args.iters, log=lambda line: print(line, flush=True))
     print(f"\ntwell bench --e2e on {torch.cuda.get_device_name()} (torch {torch.__version__}); {time.time() - t0:.0f} s")
     print(format_table(rows))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "e2e.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
-    print(f"wrote {path}")
+    print(f"wrote {write_csv(rows, args.out / 'e2e.csv')}")
     return 0
 
 
