@@ -1,9 +1,9 @@
 """Gate GEMM with a TwELL-packing epilogue: ``packed = TwELL(x Wᵀ + b)``.
 
 Math. For ``x [M, D]`` and ``W [H, D]`` (``nn.Linear`` layout), ``pre = x Wᵀ + b`` is ``[M, H]``.
-Each program computes one ``BLOCK_M × 128`` tile of ``pre`` in an fp32 accumulator. The 128
-columns are exactly one TwELL tile (``format.TILE_N``), so the epilogue packs that tile's rows
-without talking to any other program:
+Each ``BLOCK_M × 128`` tile of ``pre`` is computed in an fp32 accumulator. The 128 columns are
+exactly one TwELL tile (``format.TILE_N``), so the epilogue packs that tile's rows without talking
+to any other tile:
 
 * ``active = not (pre <= 0)`` (NaN is active: ``relu(NaN)`` is NaN), columns ``>= H`` inactive;
 * ``rank = cumsum(active) - 1`` along the tile row, ``count = sum(active)``;
@@ -24,7 +24,8 @@ Bytes, for 16-bit inputs (``e`` = element size, ``a`` = stored actives per row):
   at D=2048, H=5632, 28 actives per token that is 312 B instead of 11264 B per token.
 
 Loads go through TMA tensor descriptors on sm90+ (``use_tma``), or plain pointers elsewhere and
-in the interpreter by default. fp32 inputs use IEEE fp32 products (``input_precision="ieee"``),
+in the interpreter by default. With TMA, one persistent program per SM loops over the tiles, so a
+tile's epilogue overlaps the next tile's loads; with pointers, each program packs one tile. fp32 inputs use IEEE fp32 products (``input_precision="ieee"``),
 as dense PyTorch does with TF32 off; fp16/bf16 use tensor cores with fp32 accumulation.
 """
 
@@ -58,27 +59,36 @@ def _set_tma_blocks(nargs) -> None:
 
 
 def _cuda_configs():
-    # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT); BLOCK_N is the format's tile_n. An 11-config
-    # sweep on the H200 (bf16, D=2048, H=5632, M=16384, 0.5% density, TMA loads) ranked these
-    # three first: 0.836, 0.849 and 0.858 ms, against 0.53 ms for cuBLAS's gate GEMM alone;
-    # EPI_SPLIT 1 was 20-30% slower at each tile shape. A popcount rank (bit words per row instead
-    # of a prefix scan) measured no faster, so the scan stays. 128x32 is for fp32 (IEEE products,
-    # pointer loads), whose wider tiles need more shared memory than sm90 has.
-    shapes = [(128, 64, 8, 4, 2), (256, 64, 8, 3, 4), (64, 64, 4, 4, 2), (128, 32, 8, 3, 4)]
+    # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT, PERSISTENT); BLOCK_N is the format's tile_n.
+    # Sweeps on the H200 (bf16, D=2048, H=5632, M=16384, 0.5% density, cuBLAS gate GEMM 0.51 ms):
+    # one program per tile spends ~0.3 ms of its 0.84-0.92 ms in the packing epilogue (a
+    # counts-only epilogue ran in 0.61 ms). Persistent programs (one per SM, a flattened tile
+    # loop) overlap one tile's epilogue with the next tile's loads: 0.78 ms against 0.94 ms for
+    # the same tile shape in the same run. Per-tile programs stay for the pointer path (no TMA:
+    # pre-Hopper GPUs and fp32, whose wider tiles need more shared memory than sm90 has).
+    shapes = [(128, 64, 8, 4, 2, True), (128, 64, 8, 4, 2, False), (256, 64, 8, 3, 4, False), (64, 64, 4, 4, 2, False),
+              (128, 32, 8, 3, 4, False)]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": e}, num_warps=w, num_stages=s, pre_hook=_set_tma_blocks)
-        for bm, bk, w, s, e in shapes
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": e, "PERSISTENT": p}, num_warps=w, num_stages=s,
+                      pre_hook=_set_tma_blocks)
+        for bm, bk, w, s, e, p in shapes
     ]
 
 
 def _configs():
     if INTERPRET:  # one config: multi-config autotuning needs a GPU driver
-        config = {"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 4}
+        config = {"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 4, "PERSISTENT": True}
         return [triton.Config(config, num_warps=4, num_stages=1, pre_hook=_set_tma_blocks)]
     return _cuda_configs()
 
 
-@triton.autotune(configs=_configs(), key=["D", "H", "USE_TMA", "IEEE"])
+def _prune_configs(configs, nargs, **kwargs):
+    """Persistent programs only with TMA loads (the pointer path keeps one program per tile)."""
+    keep = [c for c in configs if c.kwargs["PERSISTENT"] == kwargs["USE_TMA"]]
+    return keep or configs
+
+
+@triton.autotune(configs=_configs(), key=["D", "H", "USE_TMA", "IEEE"], prune_configs_by={"early_config_prune": _prune_configs})
 @triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _gate_pack_kernel(
@@ -91,23 +101,42 @@ def _gate_pack_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """Pack ``pre = x @ wᵀ + b`` into TwELL, one ``BLOCK_M × BLOCK_N`` tile per program.
+    """Pack ``pre = x @ wᵀ + b`` into TwELL, ``BLOCK_M × BLOCK_N`` tiles.
 
     x: ``[M, D]``; w: ``[H, D]``; b: ``[H]`` (if HAS_BIAS). Writes ``count [M, N_TILES]`` int32
     (uncapped), and for the first ``min(count, SLOTS)`` actives of each tile row, in increasing
     column order, ``idx [M, N_TILES, SLOTS]`` int32 (global column) and ``val`` fp32 (``pre``).
     Other slots are left untouched. ``BLOCK_N`` must equal the layout's ``tile_n``.
     """
-    # Grouped order: GROUP_M row-blocks sweep all column tiles together, for L2 reuse of W.
-    pid = tl.program_id(0)
+    # Each program packs tiles pid, pid + programs, ...: one tile unless PERSISTENT (a program per
+    # SM), where flattening the loops lets one tile's epilogue overlap the next tile's loads.
     num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_tiles = num_pid_m * N_TILES
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        _gate_pack_tile(
+            tile, num_pid_m, x, w, b_ptr, idx_ptr, val_ptr, count_ptr, M, D, H, N_TILES,
+            stride_xm, stride_xk, stride_wn, stride_wk,
+            HAS_BIAS, USE_TMA, IEEE, INTERPRET, OVF, SLOTS, BLOCK_N, GROUP_M, BLOCK_M, BLOCK_K, EPI_SPLIT, EVEN_K,
+        )
+
+
+@triton.jit
+def _gate_pack_tile(
+    tile, num_pid_m, x, w, b_ptr, idx_ptr, val_ptr, count_ptr, M, D, H, N_TILES,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """One ``BLOCK_M × BLOCK_N`` output tile of ``_gate_pack_kernel``: its GEMM, then its packing."""
+    # Grouped order: GROUP_M row-blocks sweep all column tiles together, for L2 reuse of W.
     pids_in_group = GROUP_M * N_TILES
-    first_m = (pid // pids_in_group) * GROUP_M
+    first_m = (tile // pids_in_group) * GROUP_M
     group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % pids_in_group) % group_m
-    pid_n = (pid % pids_in_group) // group_m
+    pid_m = first_m + (tile % pids_in_group) % group_m
+    pid_n = (tile % pids_in_group) // group_m
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -219,6 +248,20 @@ def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N
     tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok)
 
 
+def _persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (three in the interpreter, to loop over tiles)."""
+    if INTERPRET or device.type != "cuda":
+        return 3
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(index)
+    if n is None:
+        n = _SM_COUNT.setdefault(index, torch.cuda.get_device_properties(index).multi_processor_count)
+    return n
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
 def overflow_threshold(dtype: torch.dtype) -> float:
     """The ``OVF`` constexpr of ``overflow_like`` for inputs of ``dtype``."""
     return 0.0 if dtype == torch.float32 else float(OVERFLOW_THRESHOLD[dtype])
@@ -293,7 +336,10 @@ def gate_pack(
         wa = TensorDescriptor.from_tensor(w, [16, 16])
     else:
         xa, wa = x, w
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * n_tiles,)  # noqa: E731
+    def grid(meta):
+        tiles = triton.cdiv(m, meta["BLOCK_M"]) * n_tiles
+        return (min(tiles, _persistent_programs(x.device)) if meta["PERSISTENT"] else tiles,)
+
     _gate_pack_kernel[grid](
         xa, wa, b if b is not None else packed.val, packed.idx, packed.val, packed.count,
         m, d, h, n_tiles,

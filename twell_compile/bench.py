@@ -249,6 +249,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     e2e.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     e2e.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     e2e.add_argument("--iters", type=int, default=10, help="timed steps per point (default 10)")
+    e2e.add_argument("--lr", type=float, default=0.0,
+                     help="AdamW learning rate of the training steps (default 0: the weights, and so the calibrated density, stay put)")
     args = parser.parse_args(argv)
     for flag in ("layers", "batch", "seq", "iters", "reps"):
         if getattr(args, flag) < 1:
@@ -292,7 +294,7 @@ def _main_e2e(args) -> int:
 
     t0 = time.time()
     rows = run(args.densities, layers=args.layers, batch=args.batch, seq=args.seq, modes=tuple(args.modes),
-               iters=args.iters, log=lambda line: print(line, flush=True))
+               iters=args.iters, lr=args.lr, log=lambda line: print(line, flush=True))
     print(f"\ntwell bench --e2e on {torch.cuda.get_device_name()} (torch {torch.__version__}); {time.time() - t0:.0f} s")
     print(format_table(rows))
     print(f"wrote {write_csv(rows, args.out / 'e2e.csv')}")

@@ -11,7 +11,11 @@ Measured, for each density and both backends (both ``torch.compile``d in the sam
 * inference: tokens/s of the backbone (``model.model``, no LM head) on ``batch × seq`` tokens,
   under ``torch.no_grad()``;
 * training: tokens/s of a step: forward with labels, backward, AdamW step (twell adds its L1
-  gradient; the loss is the language-model loss either way).
+  gradient; the loss is the language-model loss either way). The step runs AdamW in full, with a
+  learning rate of 0 by default (``lr``): on a random model the language-model loss drives the
+  density up within a few steps (measured on the H200, 8 layers calibrated to 0.5%: the last
+  layer at 1.7% after 8 AdamW steps at lr 1e-5), so updated weights would time another density
+  than the one calibrated. The optimizer's work per step is the same at any learning rate.
 
 Also reported: the measured density of ``h`` (twell's per-layer counters) and how many layers
 ran the sparse path. Timing is wall time over ``iters`` steps after warm-up, synchronised at both
@@ -107,7 +111,7 @@ def _tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: i
 
 
 def run_point(base, density: float, *, batch: int, seq: int, modes=("inference", "training"), warmup: int = 3,
-              iters: int = 10, baseline: str = "inductor", l1_coeff: float = 2e-5, device: str = "cuda",
+              iters: int = 10, baseline: str = "inductor", l1_coeff: float = 2e-5, lr: float = 0.0, device: str = "cuda",
               log: Callable[[str], None] = print) -> list[E2ERow]:
     """Calibrate ``base`` (in place) for ``density`` and time both backends on it."""
     import twell_compile
@@ -137,7 +141,7 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
                 model = copy.deepcopy(base).train()
                 opts = {"options": {"l1_coeff": l1_coeff}} if backend == "twell" else {}
                 compiled = torch.compile(model, backend=backend, **opts)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+                opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
                 def step():
                     loss = compiled(tokens, labels=tokens).loss
@@ -161,7 +165,8 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
 
 
 def run(densities, *, layers: int = 38, batch: int = 8, seq: int = 2048, modes=("inference", "training"),
-        warmup: int = 3, iters: int = 10, device: str = "cuda", dtype=torch.bfloat16, config_overrides: Optional[dict] = None,
+        warmup: int = 3, iters: int = 10, lr: float = 0.0, device: str = "cuda", dtype=torch.bfloat16,
+        config_overrides: Optional[dict] = None,
         baseline: str = "inductor", log: Callable[[str], None] = print) -> list[E2ERow]:
     """The end-to-end benchmark over ``densities`` on one model (rebuilt per density)."""
     from transformers import LlamaForCausalLM
@@ -173,7 +178,7 @@ def run(densities, *, layers: int = 38, batch: int = 8, seq: int = 2048, modes=(
         base = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
         log(f"density {density:.2%}: Llama {layers} layers, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, "
             f"{batch}x{seq} tokens, {dtype}")
-        rows += run_point(base, density, batch=batch, seq=seq, modes=modes, warmup=warmup, iters=iters,
+        rows += run_point(base, density, batch=batch, seq=seq, modes=modes, warmup=warmup, iters=iters, lr=lr,
                           baseline=baseline, device=device, log=log)
         del base
     return rows
