@@ -3,7 +3,9 @@
 Setup, shared by every provider: a gated bf16 FFN (default D=2048, H=5632, M=16384 tokens) whose
 density of active gate units is controlled by a constant feature ``x[:, 0] = 1`` and a gate weight
 column set to minus the normal quantile of the target density (per neuron in the skewed variant).
-Inputs are random, never zeros.
+Inputs are random, never zeros. ``--heavy-rows N`` also makes N evenly spaced tokens active on
+~all neurons (like the outlier tokens of real models): their tiles overflow, so the forward and
+the backward compute those rows densely, which the uniform problem never exercises.
 
 Providers: dense eager (cuBLAS through PyTorch), dense ``torch.compile`` (Inductor), the TwELL op
 as dispatched (``torch.ops.twell.ffn`` for inference; ``ffn_train`` forward + backward with the L1
@@ -53,13 +55,27 @@ class Row:
     rel_err_dense: float
     peak_mem_dense_mb: float = float("nan")
     peak_mem_twell_mb: float = float("nan")
+    heavy_rows: int = 0  # tokens active on ~all neurons (rows the sparse path computes densely)
+
+    @property
+    def label(self) -> str:
+        return self.variant if not self.heavy_rows else f"{self.variant}+{self.heavy_rows}hr"
 
 
-def make_problem(m: int, d: int, h: int, density: float, *, skewed: bool, dtype=torch.bfloat16, device="cuda", seed: int = 0):
-    """x, wg, wu, wd whose gate is active with probability ``density`` (per neuron if skewed)."""
+def make_problem(m: int, d: int, h: int, density: float, *, skewed: bool, heavy_rows: int = 0, dtype=torch.bfloat16,
+                 device="cuda", seed: int = 0):
+    """x, wg, wu, wd whose gate is active with probability ``density`` (per neuron if skewed).
+
+    ``heavy_rows`` evenly spaced tokens get the constant feature -1 instead of 1, which flips the
+    gate bias column: they are active with probability ``1 - density`` per neuron.
+    """
+    if not 0 <= heavy_rows <= m:
+        raise ValueError(f"heavy_rows must be in 0..M={m}, got {heavy_rows}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(m, d, generator=gen)
     x[:, 0] = 1.0
+    if heavy_rows:
+        x[torch.linspace(0, m - 1, heavy_rows).round().long(), 0] = -1.0
     scale = 1.0 / math.sqrt(d)
     wg = torch.randn(h, d, generator=gen) * scale
     wu = torch.randn(h, d, generator=gen) * scale
@@ -133,8 +149,9 @@ def _forced(path: Optional[str]):
     cuda_impl.FORCE_PATH = path
 
 
-def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sparse_train_density, l1_coeff=2e-5) -> Row:
-    x, wg, wu, wd = make_problem(m, d, h, density, skewed=skewed)
+def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sparse_train_density, l1_coeff=2e-5,
+                heavy_rows: int = 0) -> Row:
+    x, wg, wu, wd = make_problem(m, d, h, density, skewed=skewed, heavy_rows=heavy_rows)
     with torch.no_grad():
         gate = F.linear(x, wg)
         measured = (gate > 0).float().mean().item()
@@ -173,17 +190,18 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
     return Row(
         "training" if train else "inference", m, d, h, "skewed" if skewed else "uniform", density, measured, measured * h,
         t_eager, t_comp, t_twell, t_sparse, t_eager / t_twell, t_comp / t_twell, t_eager / t_sparse, err_twell, err_dense, mem_dense, mem_twell,
+        heavy_rows,
     )
 
 
 def print_table(rows: list[Row], file=sys.stdout) -> None:
-    header = f"{'mode':<9} {'M':>6} {'variant':<7} {'density':>7} {'act/tok':>7} {'eager ms':>8} {'compiled':>8} {'twell op':>8} {'x eager':>7} {'x comp':>7} {'sparse ms':>9} {'x eager':>7} {'err sparse':>10} {'err dense':>9} {'mem d/s MB':>13}"
+    header = f"{'mode':<9} {'M':>6} {'variant':<12} {'density':>7} {'act/tok':>7} {'eager ms':>8} {'compiled':>8} {'twell op':>8} {'x eager':>7} {'x comp':>7} {'sparse ms':>9} {'x eager':>7} {'err sparse':>10} {'err dense':>9} {'mem d/s MB':>13}"
     print(header, file=file)
     print("-" * len(header), file=file)
     for r in rows:
         mem = "" if math.isnan(r.peak_mem_dense_mb) else f"{r.peak_mem_dense_mb:.0f}/{r.peak_mem_twell_mb:.0f}"
         print(
-            f"{r.mode:<9} {r.m:>6} {r.variant:<7} {r.measured_density:>7.2%} {r.active_per_token:>7.1f} {r.dense_eager_ms:>8.3f} {r.dense_compiled_ms:>8.3f} "
+            f"{r.mode:<9} {r.m:>6} {r.label:<12} {r.measured_density:>7.2%} {r.active_per_token:>7.1f} {r.dense_eager_ms:>8.3f} {r.dense_compiled_ms:>8.3f} "
             f"{r.twell_ms:>8.3f} {r.speedup_vs_eager:>6.2f}x {r.speedup_vs_compiled:>6.2f}x {r.twell_sparse_ms:>9.3f} {r.sparse_speedup_vs_eager:>6.2f}x "
             f"{r.rel_err_twell:>10.2e} {r.rel_err_dense:>9.2e} {mem:>13}",
             file=file,
@@ -210,10 +228,10 @@ def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
     except ImportError:
         print("twell bench: matplotlib is not installed, so no plot (pip install matplotlib)", file=sys.stderr)
         return paths
-    groups = sorted({(r.mode, r.m, r.variant) for r in rows})
+    groups = sorted({(r.mode, r.m, r.label) for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, m, variant in groups:
-        pts = sorted((r.measured_density, r.speedup_vs_eager, r.sparse_speedup_vs_eager) for r in rows if (r.mode, r.m, r.variant) == (mode, m, variant))
+        pts = sorted((r.measured_density, r.speedup_vs_eager, r.sparse_speedup_vs_eager) for r in rows if (r.mode, r.m, r.label) == (mode, m, variant))
         line = ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=f"twell op: {mode}, M={m}, {variant}")[0]
         ax.plot([p[0] * 100 for p in pts], [p[2] for p in pts], marker="x", ls=":", color=line.get_color(), label=f"sparse kernels forced: {mode}, M={m}, {variant}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
@@ -240,6 +258,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                              f"with --e2e {' '.join(map(str, E2E_DENSITIES))})")
     parser.add_argument("--modes", nargs="+", choices=["inference", "training"], default=["inference", "training"])
     parser.add_argument("--skewed", action="store_true", help="also run per-neuron skewed densities")
+    parser.add_argument("--heavy-rows", type=int, nargs="+", default=[0], metavar="N",
+                        help="tokens per problem active on ~all neurons, which the sparse path computes densely (default 0; several values: one run each)")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per point (median reported)")
     parser.add_argument("--max-sparse-train-density", type=float, default=0.021, help="time the forced sparse training path only up to this density (it is slow when dense)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv and the PNG plot")
@@ -255,6 +275,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for flag in ("layers", "batch", "seq", "iters", "reps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    bad_heavy = [n for n in args.heavy_rows for m in args.m if not 0 <= n <= m]
+    if bad_heavy:
+        parser.error(f"--heavy-rows must be in 0..M for every --m (smallest M: {min(args.m)}), got {bad_heavy[0]}")
     if args.densities is None:
         args.densities = list(E2E_DENSITIES if args.e2e else DEFAULT_DENSITIES)
     bad = [p for p in args.densities if not 0.0 < p < 1.0]
@@ -271,7 +294,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     compiled_cache: dict = {}
     rows: list[Row] = []
     variants = [False, True] if args.skewed else [False]
-    points = [(mode, m, sk, p) for mode in args.modes for m in args.m for sk in variants for p in args.densities]
+    points = [(mode, m, sk, hr, p) for mode in args.modes for m in args.m for sk in variants for hr in args.heavy_rows
+              for p in args.densities]
     try:
         from tqdm import tqdm
 
@@ -279,8 +303,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:
         points_iter = points
     t0 = time.time()
-    for mode, m, skewed, density in points_iter:
-        rows.append(bench_point(m, args.d, args.h, density, skewed=skewed, train=(mode == "training"), compiled_cache=compiled_cache, reps=args.reps, max_sparse_train_density=args.max_sparse_train_density))
+    for mode, m, skewed, heavy, density in points_iter:
+        rows.append(bench_point(m, args.d, args.h, density, skewed=skewed, train=(mode == "training"), compiled_cache=compiled_cache,
+                                reps=args.reps, max_sparse_train_density=args.max_sparse_train_density, heavy_rows=heavy))
         torch.cuda.empty_cache()
     print(f"\ntwell bench on {torch.cuda.get_device_name()} (torch {torch.__version__}), gated FFN bf16, D={args.d}, H={args.h}; {time.time() - t0:.0f} s")
     print_table(rows)
@@ -293,11 +318,13 @@ def _main_e2e(args) -> int:
     from .bench_e2e import format_table, run
 
     t0 = time.time()
+    csv_path = args.out / "e2e.csv"
     rows = run(args.densities, layers=args.layers, batch=args.batch, seq=args.seq, modes=tuple(args.modes),
-               iters=args.iters, lr=args.lr, log=lambda line: print(line, flush=True))
+               iters=args.iters, lr=args.lr, log=lambda line: print(line, flush=True),
+               on_point=lambda so_far: write_csv(so_far, csv_path))  # saved per density: a run takes minutes
     print(f"\ntwell bench --e2e on {torch.cuda.get_device_name()} (torch {torch.__version__}); {time.time() - t0:.0f} s")
     print(format_table(rows))
-    print(f"wrote {write_csv(rows, args.out / 'e2e.csv')}")
+    print(f"wrote {csv_path}")
     return 0
 
 

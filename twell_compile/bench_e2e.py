@@ -17,8 +17,9 @@ Measured, for each density and both backends (both ``torch.compile``d in the sam
   layer at 1.7% after 8 AdamW steps at lr 1e-5), so updated weights would time another density
   than the one calibrated. The optimizer's work per step is the same at any learning rate.
 
-Also reported: the measured density of ``h`` (twell's per-layer counters) and how many layers
-ran the sparse path. Timing is wall time over ``iters`` steps after warm-up, synchronised at both
+Also reported: the measured density of ``h`` (twell's per-layer counters), how many layers
+ran the sparse path, and the rows per layer that the sparse path computed densely (overflowed
+tiles: a few such rows cost the backward far more than their share). Timing is wall time over ``iters`` steps after warm-up, synchronised at both
 ends (CUDA events would miss host-bound stretches between kernels).
 """
 
@@ -41,6 +42,7 @@ class E2ERow:
     target_density: float
     measured_density: float  # mean over layers of active units / H, from twell's counters
     sparse_layers: int  # layers whose last call took the sparse path
+    dense_rows: float  # mean over layers of the rows the last call computed densely
     layers: int
     tokens: int  # per step
     inductor_tok_s: float
@@ -155,20 +157,25 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
                 hidden = base.config.intermediate_size
                 measured = sum(s.l0 for s in stats.layers) / max(1, len(stats.layers)) / hidden
                 sparse_layers = sum(s.path == "sparse" for s in stats.layers)
+                dense_rows = sum(s.dense_rows for s in stats.layers) / max(1, len(stats.layers))
                 layers = len(stats.layers)
             del compiled, model
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        rows.append(E2ERow(mode, density, measured, sparse_layers, layers, n_tokens, speeds[baseline], speeds["twell"],
+        rows.append(E2ERow(mode, density, measured, sparse_layers, dense_rows, layers, n_tokens, speeds[baseline], speeds["twell"],
                            speeds["twell"] / speeds[baseline]))
     return rows
 
 
 def run(densities, *, layers: int = 38, batch: int = 8, seq: int = 2048, modes=("inference", "training"),
         warmup: int = 3, iters: int = 10, lr: float = 0.0, device: str = "cuda", dtype=torch.bfloat16,
-        config_overrides: Optional[dict] = None,
-        baseline: str = "inductor", log: Callable[[str], None] = print) -> list[E2ERow]:
-    """The end-to-end benchmark over ``densities`` on one model (rebuilt per density)."""
+        config_overrides: Optional[dict] = None, baseline: str = "inductor", log: Callable[[str], None] = print,
+        on_point: Optional[Callable[[list[E2ERow]], None]] = None) -> list[E2ERow]:
+    """The end-to-end benchmark over ``densities`` on one model (rebuilt per density).
+
+    ``on_point`` gets the rows so far after each density (a point takes minutes: the caller can
+    save them before a time limit cuts the run).
+    """
     from transformers import LlamaForCausalLM
 
     rows = []
@@ -181,15 +188,17 @@ def run(densities, *, layers: int = 38, batch: int = 8, seq: int = 2048, modes=(
         rows += run_point(base, density, batch=batch, seq=seq, modes=modes, warmup=warmup, iters=iters, lr=lr,
                           baseline=baseline, device=device, log=log)
         del base
+        if on_point is not None:
+            on_point(list(rows))
     return rows
 
 
 def format_table(rows: list[E2ERow], baseline: str = "inductor") -> str:
-    header = (f"{'mode':<9} {'density':>8} {'measured':>8} {'sparse layers':>13} {'tokens':>7} "
+    header = (f"{'mode':<9} {'density':>8} {'measured':>8} {'sparse layers':>13} {'dense rows':>10} {'tokens':>7} "
               f"{baseline + ' tok/s':>15} {'twell tok/s':>13} {'speedup':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         measured = "n/a" if math.isnan(r.measured_density) else f"{r.measured_density:.2%}"
-        lines.append(f"{r.mode:<9} {r.target_density:>8.2%} {measured:>8} {f'{r.sparse_layers}/{r.layers}':>13} {r.tokens:>7} "
+        lines.append(f"{r.mode:<9} {r.target_density:>8.2%} {measured:>8} {f'{r.sparse_layers}/{r.layers}':>13} {r.dense_rows:>10.1f} {r.tokens:>7} "
                      f"{r.inductor_tok_s:>15,.0f} {r.twell_tok_s:>13,.0f} {r.speedup:>7.2f}x")
     return "\n".join(lines)

@@ -58,18 +58,20 @@ def test_calibration_rejects_densities_outside_zero_one():
 
 
 def test_run_times_both_backends_in_both_modes():
-    lines = []
+    lines, saved = [], []
     rows = bench_e2e.run([0.05], layers=2, batch=2, seq=16, warmup=1, iters=1, device="cpu", dtype=torch.float32,
-                         config_overrides=TINY, baseline="aot_eager", log=lines.append)
+                         config_overrides=TINY, baseline="aot_eager", log=lines.append, on_point=saved.append)
     assert [r.mode for r in rows] == ["inference", "training"]
+    assert saved == [rows]  # handed over after the (only) density, before run returns
     for r in rows:
         assert r.layers == 2 and r.tokens == 32
         assert r.inductor_tok_s > 0 and r.twell_tok_s > 0
         assert r.speedup == pytest.approx(r.twell_tok_s / r.inductor_tok_s)
         assert 0.0 < r.measured_density < 0.3  # twell's own counters, near the calibrated 5%
+        assert 0.0 <= r.dense_rows <= r.tokens
     # lr=0 (the default): the training steps keep the calibrated weights, so the same density
     inference, training = rows
     assert training.measured_density == pytest.approx(inference.measured_density, rel=0.05)
     assert any("calibrated gate biases" in line for line in lines)
     table = bench_e2e.format_table(rows, baseline="aot_eager")
-    assert "training" in table and "aot_eager tok/s" in table
+    assert "training" in table and "aot_eager tok/s" in table and "dense rows" in table

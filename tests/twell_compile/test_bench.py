@@ -1,0 +1,79 @@
+"""``twell bench`` (``twell_compile/bench.py``): the parts that run without a GPU.
+
+The timings need the H200; here the synthetic problem must have the density it is asked for
+(uniform, skewed, and with heavy rows), and the table and CSV must carry every row's variant.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from twell_compile import bench
+
+M, D, H = 2048, 256, 512
+
+
+def _active(x, wg):
+    return F.linear(x, wg) > 0
+
+
+@pytest.mark.parametrize("density", [0.01, 0.05])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_problem_has_the_target_density(density, skewed):
+    x, wg, _, _ = bench.make_problem(M, D, H, density, skewed=skewed, dtype=torch.float32, device="cpu")
+    measured = _active(x, wg).float().mean().item()
+    assert measured == pytest.approx(density, rel=0.15)
+
+
+def test_heavy_rows_are_active_on_almost_every_neuron():
+    density, heavy = 0.01, 5
+    x, wg, _, _ = bench.make_problem(M, D, H, density, skewed=False, heavy_rows=heavy, dtype=torch.float32, device="cpu")
+    rows = torch.linspace(0, M - 1, heavy).round().long()
+    active = _active(x, wg).float()
+    assert active[rows].mean().item() == pytest.approx(1 - density, abs=0.02)
+    others = torch.ones(M, dtype=torch.bool)
+    others[rows] = False
+    assert active[others].mean().item() == pytest.approx(density, rel=0.15)
+    # Every heavy row overflows the TwELL tiles: far more actives per 128-column tile than slots.
+    from twell_compile.kernels.format import DEFAULT_LAYOUT
+
+    per_tile = active[rows].reshape(heavy, -1, DEFAULT_LAYOUT.tile_n).sum(-1)
+    assert (per_tile > DEFAULT_LAYOUT.slots).all()
+
+
+def test_heavy_rows_outside_the_batch_are_refused():
+    with pytest.raises(ValueError, match="heavy_rows"):
+        bench.make_problem(8, D, H, 0.01, skewed=False, heavy_rows=9, device="cpu")
+
+
+def _row(**kw):
+    values = dict(mode="training", m=M, d=D, h=H, variant="uniform", target_density=0.005, measured_density=0.0058,
+                  active_per_token=3.0, dense_eager_ms=2.0, dense_compiled_ms=1.8, twell_ms=1.6, twell_sparse_ms=1.5,
+                  speedup_vs_eager=1.25, speedup_vs_compiled=1.125, sparse_speedup_vs_eager=1.33, rel_err_twell=1e-3,
+                  rel_err_dense=3e-3, peak_mem_dense_mb=100.0, peak_mem_twell_mb=50.0)
+    values.update(kw)
+    return bench.Row(**values)
+
+
+def test_table_and_csv_name_the_heavy_rows(tmp_path):
+    rows = [_row(), _row(heavy_rows=14)]
+    out = io.StringIO()
+    bench.print_table(rows, file=out)
+    lines = out.getvalue().splitlines()
+    assert "uniform+14hr" in lines[3] and "uniform+14hr" not in lines[2]
+    path = bench.write_csv(rows, tmp_path / "sub" / "bench.csv")
+    read = list(csv.DictReader(path.open()))
+    assert [r["heavy_rows"] for r in read] == ["0", "14"]
+    assert read[1]["variant"] == "uniform"
+
+
+def test_cli_refuses_more_heavy_rows_than_tokens(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--m", "64", "--heavy-rows", "0", "65"])
+    assert e.value.code == 2
+    assert "--heavy-rows" in capsys.readouterr().err
