@@ -220,6 +220,16 @@ def _sampled_counts(pre: torch.Tensor, n_tiles: int):
     return per_tile.sum() * scale, overflow
 
 
+def _state_key(t: torch.Tensor) -> Optional[tuple]:
+    """What identifies a weight's contents between calls: its in-place version counter, storage
+    pointer, shape and dtype (an optimizer step bumps the version). None for inference-mode
+    tensors, which have no version counter: never cache on them."""
+    try:
+        return (t._version, t.data_ptr(), tuple(t.shape), t.dtype)
+    except RuntimeError:
+        return None
+
+
 class _DownRows:
     """``Wdᵀ`` as a contiguous ``[H, D]`` copy, kept per down weight while it is unchanged.
 
@@ -236,19 +246,15 @@ class _DownRows:
     def get(cls, wd: torch.Tensor) -> torch.Tensor:
         if wd.t().is_contiguous():
             return wd
-        try:
-            version = wd._version
-        except RuntimeError:  # inference-mode tensor
-            version = None
-        if version is None or _capturing():
+        state = _state_key(wd)
+        if state is None or _capturing():
             return wd.t().contiguous().t()
         key = id(wd)
         hit = cls._cache.get(key)
-        if hit is not None and hit[0]() is wd and hit[1] == (version, wd.data_ptr(), tuple(wd.shape), wd.dtype):
+        if hit is not None and hit[0]() is wd and hit[1] == state:
             return hit[2]
         rows = wd.t().contiguous().t()
-        cls._cache[key] = (weakref.ref(wd, lambda _, k=key: cls._cache.pop(k, None)),
-                           (version, wd.data_ptr(), tuple(wd.shape), wd.dtype), rows)
+        cls._cache[key] = (weakref.ref(wd, lambda _, k=key: cls._cache.pop(k, None)), state, rows)
         return rows
 
 
@@ -339,8 +345,8 @@ def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> re
 class _WeightFacts:
     """Per-call facts about the weights, cached while the weights are unchanged.
 
-    The key holds each tensor's storage pointer and in-place version counter, so an optimizer step
-    (which bumps ``_version``) invalidates it. Under CUDA-graph capture nothing is cached: the facts
+    The key holds each tensor's ``_state_key`` (storage pointer and in-place version counter), so an
+    optimizer step invalidates it. Under CUDA-graph capture nothing is cached: the facts
     are recomputed inside the graph, so replays see the weights of their own step.
     """
 
@@ -349,10 +355,9 @@ class _WeightFacts:
     @classmethod
     def get(cls, wg, wu, wd, bg, bu, bd):
         tensors = (wg, wu, wd, bg, bu, bd)
-        try:
-            key = tuple(None if t is None else (t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
-        except RuntimeError:  # inference-mode tensors have no version counter: do not cache
-            key = None
+        states = [None if t is None else _state_key(t) for t in tensors]
+        uncachable = any(t is not None and k is None for t, k in zip(tensors, states))
+        key = None if uncachable else tuple(states)
         capturing = key is None or _capturing()
         if not capturing and key in cls._cache:
             return cls._cache[key]
