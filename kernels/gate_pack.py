@@ -25,8 +25,9 @@ Bytes, for 16-bit inputs (``e`` = element size, ``a`` = stored actives per row):
 
 Loads go through TMA tensor descriptors on sm90+ (``use_tma``), or plain pointers elsewhere and
 in the interpreter by default. With TMA, one persistent program per SM loops over the tiles, so a
-tile's epilogue overlaps the next tile's loads; with pointers, each program packs one tile. fp32 inputs use IEEE fp32 products (``input_precision="ieee"``),
-as dense PyTorch does with TF32 off; fp16/bf16 use tensor cores with fp32 accumulation.
+tile's epilogue overlaps the next tile's loads; with pointers, each program packs one tile. fp32
+inputs use IEEE fp32 products (``input_precision="ieee"``), as dense PyTorch does with TF32 off;
+fp16/bf16 use tensor cores with fp32 accumulation.
 """
 
 from __future__ import annotations
