@@ -227,6 +227,20 @@ def test_many_dense_rows_across_the_scratch_boundary(scratch):
     assert_grads_close(got, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_dense_rows_dx_over_several_h_splits(gated):
+    """H = 600 spans three H splits of the scratch dx kernel (the last one partial), with 18 dense
+    rows (two 16-row blocks of the list) and sparse rows between them."""
+    hot = tuple(r for r in range(24) if r % 4 != 1)
+    ffn = _on(make_ffn(24, 20, 600, density=0.02, gated=gated, bias=True, hot_rows=hot, seed=9), DEV)
+    dout = _dout(24, 20, torch.float32, 9)
+    packed, up_val = _forward(ffn)
+    dense = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
+    assert set(torch.nonzero(dense).flatten().tolist()) == set(hot)
+    got = _grads(ffn, dout, packed, up_val, 0.5, scratch=32)
+    assert_grads_close(got, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
+
+
 @pytest.mark.parametrize("density", [0.0, 1.0])
 @pytest.mark.parametrize("gated", [True, False])
 def test_density_extremes(density, gated):
