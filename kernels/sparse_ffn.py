@@ -15,8 +15,8 @@ up to rounding whichever is taken:
 * a row with 1..``max_tile_recompute`` overflowed tiles (``count > slots``) and no dense flag
   recomputes just those tiles, over their ``tile_n`` columns, from ``x`` in the same program;
 * a row flagged in ``dense_rows`` (the finiteness guard of ``reference.dense_rows_ref``, or any
-  row the caller wants dense), or with more overflowed tiles, is computed by a second kernel as a
-  blocked dense FFN over all H, with gate and up recomputed from ``x``.
+  row the caller wants dense), or with more overflowed tiles, is *whole-dense*: a dense FFN over
+  all H, with gate and up recomputed from ``x``, by the kernels below.
 
 Kernels:
 
@@ -29,9 +29,14 @@ Kernels:
   dependent load, was 12% slower on the H200), then one ``[CH, D]`` gather of ``Wdᵀ`` rows and
   one of ``Wu`` rows, issued together, ``CH`` dot products, one rank-``CH`` update of the output
   row.
-* ``_dense_rows_kernel``: one program per (``BM`` rows, ``BD`` output columns); it returns at once
-  unless a row of its block is whole-dense, then runs gate/up/down with ``tl.dot`` over all H and
-  stores those rows only. Gate and up are recomputed for each of the ``D / BD`` column blocks.
+* the whole-dense rows, from their list (``dense_rows.dense_list`` of the flags the sparse kernel
+  writes; no host sync). The first ``r_cap`` list positions (288 at D=2048, H=5632: a 32 MiB
+  scratch budget): ``_dense_hidden_kernel`` writes their ``h`` as fp32 ``[16, BH]`` tiles from
+  ``tl.dot`` over D, then ``dense_rows.scratch_product`` multiplies by ``Wdᵀ`` with H split over
+  programs. Past ``r_cap``: ``_dense_rows_kernel``, one program per (``BM`` list positions, ``BD``
+  output columns), gate and up recomputed for each of the ``D / BD`` column blocks. On the H200 at
+  the shape above, one whole-dense row used to cost 1.5 ms (the blocked kernel alone: 4 programs
+  looping over all of H); through the scratch, 0.05 ms for 1–14 rows and 0.17 ms for 288.
 
 Bytes, 16-bit weights (``e = 2``), ``a`` stored pairs per token:
 
@@ -54,7 +59,6 @@ contiguous ``[H, D]`` tensor, so a caller that keeps ``Wdᵀ`` can pass ``wdt.t(
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -62,13 +66,10 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
+from .dense_rows import BR, INTERPRET, dense_list, dot, dot_split, jit_helper, rowmajor, scratch_product, split_count
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
 from .reference import _finite, _may_overflow
-
-# Set before import (DESIGN.md section 9): the interpreter computes bf16 tl.dot wrongly and cannot
-# autotune over several configs.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -78,9 +79,18 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # such tiles when its row block is full of dense rows. An estimate from bytes and FLOPs, not a sweep.
 TILE_RECOMPUTE_MAX = 4
 
-# Blocked dense kernel (BM, BH, BK, BD, warps, stages), by input element size. GPU: the largest
-# tiles that compile without spills on sm90 (ptxas -v, D=2048, H=5632: 215 registers for bf16,
-# 212 for fp32); the interpreter needs tl.dot dims >= 16 and is faster on small tiles.
+# Whole-dense rows: h of the first r_cap list positions goes to an fp32 scratch [r_cap, H], and
+# their split products to [splits, r_cap, D]; both within this budget (288 rows at D=2048, H=5632).
+_DENSE_SCRATCH_BYTES = 32 << 20
+
+# Scratch path tiles (BH, BK, BD, warps): the backward's, measured there on the H200 (16-row tiles
+# waste little on an isolated row). The interpreter needs tl.dot dims >= 16, and small ones are fast.
+_SCRATCH_TILES = {2: (64, 64, 128, 4), 4: (64, 64, 64, 4)}
+_SCRATCH_TILES_INTERPRET = (32, 32, 32, 4)
+
+# Blocked dense kernel (BM, BH, BK, BD, warps, stages) for list positions past r_cap, by input
+# element size. GPU: the largest tiles that compile without spills on sm90 (ptxas -v, D=2048,
+# H=5632: 215 registers for bf16, 212 for fp32).
 _DENSE_TILES = {2: (32, 64, 64, 512, 8, 3), 4: (32, 64, 64, 256, 8, 3)}
 _DENSE_TILES_INTERPRET = (16, 32, 32, 64, 4, 1)
 
@@ -119,7 +129,7 @@ def _prune_sparse(configs, nargs, **kwargs):
 def _sparse_ffn_kernel(
     # pointers
     x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr,
-    idx_ptr, val_ptr, count_ptr, dense_ptr, out_ptr, up_ptr,
+    idx_ptr, val_ptr, count_ptr, dense_ptr, out_ptr, up_ptr, whole_ptr,
     # dimensions
     M, D, H, N_TILES, TILE_MAX,
     # row strides (elements; every last dimension is contiguous)
@@ -134,7 +144,8 @@ def _sparse_ffn_kernel(
     x ``[M, D]``; wg, wu ``[H, D]``; wdt ``[H, D]`` (= Wdᵀ); biases ``[H]``/``[D]``; TwELL
     ``idx``/``val`` ``[M, N_TILES, SLOTS]`` and ``count [M, N_TILES]``; dense bool ``[M]``;
     out ``[M, D]``. A row is whole-dense when ``dense[t]`` or more than TILE_MAX of its tiles
-    overflow (``count > SLOTS``); ``_dense_rows_kernel`` writes those rows, with the same rule.
+    overflow (``count > SLOTS``); ``whole [M]`` (uint8) receives that flag, and the dense-row
+    kernels write those rows.
     In the other rows an overflowed tile is computed densely over its TILE_N columns.
     With STORE_UP, ``up [M, N_TILES, SLOTS]`` fp32 (zeroed by the caller) receives the up value of
     each stored pair of a row with no overflowed tile and no dense flag.
@@ -154,6 +165,7 @@ def _sparse_ffn_kernel(
             over = cnt > SLOTS
             n_over = tl.sum(over.to(tl.int32), axis=0)
             sparse_row = (tl.load(dense_ptr + t64) == 0) & (n_over <= TILE_MAX)
+            tl.store(whole_ptr + t64, (sparse_row == 0).to(tl.uint8))
             # Pairs the loop below handles: none in overflowed tiles or whole-dense rows.
             stored = tl.where(over | (sparse_row == 0), 0, cnt)
             slot0 = t64 * N_TILES * SLOTS  # first slot of this token's TwELL row
@@ -242,114 +254,118 @@ def _sparse_ffn_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+@jit_helper
+def _dense_hidden(
+    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, rows, r_ok, hc, h_ok, D, stride_xm, stride_wg, stride_wu,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, NATIVE: tl.constexpr, OVF: tl.constexpr,
+    BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """``h [BM, BH]`` fp32 of x rows ``rows`` (int64) and neurons ``hc`` (int64), 0 outside
+    ``r_ok × h_ok``: gate and up tiles from ``tl.dot`` over all of D, then the element-wise steps
+    of ``_sparse_ffn_kernel`` (bias, overflow points of the input dtype, relu that keeps NaN)."""
+    offs_k = tl.arange(0, BK)
+    up = tl.full((BM, BH), 0.0, tl.float32)
+    gate = tl.full((BM, BH), 0.0, tl.float32)
+    for k0 in range(0, D, BK):
+        kk = k0 + offs_k
+        k_ok = kk < D
+        b_mask = k_ok[:, None] & h_ok[None, :]
+        xa = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        wut = tl.load(wu_ptr + hc[None, :] * stride_wu + kk[:, None], mask=b_mask, other=0.0)
+        up = dot(xa, wut, up, NATIVE)
+        if GATED:
+            wgt = tl.load(wg_ptr + hc[None, :] * stride_wg + kk[:, None], mask=b_mask, other=0.0)
+            gate = dot(xa, wgt, gate, NATIVE)
+    if HAS_BU:
+        up += tl.load(bu_ptr + hc, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+    if OVF > 0:  # dense rounds gate, up and h to the input dtype: its overflow points
+        up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
+    if GATED:
+        if HAS_BG:
+            gate += tl.load(bg_ptr + hc, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+        if OVF > 0:
+            gate = tl.where(tl.abs(gate) >= OVF, tl.where(gate > 0, float("inf"), float("-inf")), gate)
+        hv = tl.where(gate <= 0.0, 0.0, gate) * up  # relu keeps NaN
+        if OVF > 0:
+            hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
+    else:
+        hv = tl.where(up <= 0.0, 0.0, up)
+    return tl.where(r_ok[:, None] & h_ok[None, :], hv, 0.0)
+
+
+@triton.jit
+def _dense_hidden_kernel(
+    # pointers
+    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, rows_ptr, ndense_ptr, hid_ptr,
+    # dimensions, row strides (elements)
+    D, H, stride_xm, stride_wg, stride_wu,
+    # meta-parameters
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, NATIVE: tl.constexpr, OVF: tl.constexpr,
+    BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+):
+    """Scratch ``hid[i, j]`` = h of whole-dense row ``rows[i]``, neuron ``j``, fp32, for the list
+    positions ``i < n_dense`` of this program's ``BR × BH`` block (the grid covers ``r_cap``)."""
+    i0 = tl.program_id(0) * BR
+    n_dense = tl.load(ndense_ptr)
+    if i0 < n_dense:
+        i = i0 + tl.arange(0, BR)
+        r_ok = i < n_dense
+        rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
+        hc = tl.program_id(1) * BH + tl.arange(0, BH)
+        h_ok = hc < H
+        hc = hc.to(tl.int64)
+        hv = _dense_hidden(x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, rows, r_ok, hc, h_ok, D, stride_xm, stride_wg,
+                           stride_wu, GATED, HAS_BG, HAS_BU, NATIVE, OVF, BR, BH, BK)
+        tl.store(hid_ptr + i.to(tl.int64)[:, None] * H + hc[None, :], hv, mask=r_ok[:, None] & h_ok[None, :])
+
+
 @triton.jit
 def _dense_rows_kernel(
     # pointers
-    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr, dense_ptr, count_ptr, out_ptr,
-    # dimensions
-    M, D, H, N_TILES, TILE_MAX,
+    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr, rows_ptr, ndense_ptr, out_ptr,
+    # dimensions (R_CAP: the first list position this kernel handles)
+    D, H, R_CAP,
     # row strides (elements; every last dimension is contiguous)
     stride_xm, stride_wg, stride_wu, stride_wdt, stride_om,
     # meta-parameters
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr, OVF: tl.constexpr,
+    NATIVE: tl.constexpr, SPLIT: tl.constexpr, OVF: tl.constexpr,
     BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
 ):
-    """The dense FFN ``out[r, dblock]`` for the whole-dense rows ``r`` of row block ``pid_m``.
+    """The dense FFN ``out[rows[i], dblock]`` for the ``BM`` list positions ``R_CAP + pid_m·BM ...``
+    below ``n_dense`` (the whole-dense rows the scratch path has no room for).
 
-    Whole-dense: ``dense[r]``, or more than TILE_MAX tiles with ``count > SLOTS`` (the rule of
-    ``_sparse_ffn_kernel``, which leaves these rows alone).
-
-    Shapes as in ``_sparse_ffn_kernel``. Gate and up tiles ``[BM, BH]`` come from ``tl.dot`` over
-    all of D (bf16/fp16 on tensor cores, fp32 in IEEE); ``h`` is fp32, multiplied by the
-    ``[BH, BD]`` tile of Wdᵀ as a hi + lo pair of 16-bit tiles (IEEE fp32 for fp32 inputs). Every
+    ``h`` tiles ``[BM, BH]`` from ``_dense_hidden``, times the ``[BH, BD]`` tile of Wdᵀ by
+    ``dot_split`` (``hi + lo`` 16-bit pairs on tensor cores, IEEE fp32 for fp32 inputs). Every
     output column block recomputes gate and up: ``D / BD`` times the gate/up FLOPs of its rows.
     """
-    pid_m = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    r_ok = rows < M
-    tiles = tl.arange(0, NT_P2)
-    cnt = tl.load(count_ptr + rows.to(tl.int64)[:, None] * N_TILES + tiles[None, :],
-                  mask=r_ok[:, None] & (tiles[None, :] < N_TILES), other=0)
-    n_over = tl.sum((cnt > SLOTS).to(tl.int32), axis=1)
-    flag = ((tl.load(dense_ptr + rows, mask=r_ok, other=0) != 0) | (n_over > TILE_MAX)) & r_ok
-    if tl.sum(flag.to(tl.int32), axis=0) > 0:
-        rows_ld = tl.minimum(rows, M - 1).to(tl.int64)
-        offs_d = pid_d * BD + tl.arange(0, BD)
+    i0 = R_CAP + tl.program_id(0) * BM
+    n_dense = tl.load(ndense_ptr)
+    if i0 < n_dense:
+        i = i0 + tl.arange(0, BM)
+        r_ok = i < n_dense
+        rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
+        offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
         d_ok = offs_d < D
-        offs_h = tl.arange(0, BH)
-        offs_k = tl.arange(0, BK)
-        acc = tl.zeros((BM, BD), dtype=tl.float32)
+        acc = tl.full((BM, BD), 0.0, tl.float32)
         for h0 in range(0, H, BH):
-            hc = h0 + offs_h
+            hc = h0 + tl.arange(0, BH)
             h_ok = hc < H
-            hc_ld = tl.minimum(hc, H - 1).to(tl.int64)
-            up = tl.zeros((BM, BH), dtype=tl.float32)
-            gate = tl.zeros((BM, BH), dtype=tl.float32)
-            for k0 in range(0, D, BK):
-                kk = k0 + offs_k
-                k_ok = kk < D
-                xa = tl.load(x_ptr + rows_ld[:, None] * stride_xm + kk[None, :], mask=k_ok[None, :], other=0.0)
-                wut = tl.load(wu_ptr + hc_ld[None, :] * stride_wu + kk[:, None], mask=k_ok[:, None], other=0.0)
-                if INTERPRET:  # the interpreter's bf16 tl.dot is wrong (DESIGN.md section 9)
-                    xa = xa.to(tl.float32)
-                    wut = wut.to(tl.float32)
-                if IEEE:
-                    up = tl.dot(xa, wut, up, input_precision="ieee")
-                else:
-                    up = tl.dot(xa, wut, up)
-                if GATED:
-                    wgt = tl.load(wg_ptr + hc_ld[None, :] * stride_wg + kk[:, None], mask=k_ok[:, None], other=0.0)
-                    if INTERPRET:
-                        wgt = wgt.to(tl.float32)
-                    if IEEE:
-                        gate = tl.dot(xa, wgt, gate, input_precision="ieee")
-                    else:
-                        gate = tl.dot(xa, wgt, gate)
-            if HAS_BU:
-                up += tl.load(bu_ptr + hc, mask=h_ok, other=0.0).to(tl.float32)[None, :]
-            if OVF > 0:  # dense rounds gate, up and h to the input dtype: its overflow points
-                up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
-            if GATED:
-                if HAS_BG:
-                    gate += tl.load(bg_ptr + hc, mask=h_ok, other=0.0).to(tl.float32)[None, :]
-                if OVF > 0:
-                    gate = tl.where(tl.abs(gate) >= OVF, tl.where(gate > 0, float("inf"), float("-inf")), gate)
-                hv = tl.where(gate <= 0.0, 0.0, gate) * up  # relu keeps NaN
-                if OVF > 0:
-                    hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
-            else:
-                hv = tl.where(up <= 0.0, 0.0, up)
-            hv = tl.where(h_ok[None, :], hv, 0.0)
-            wd = tl.load(wdt_ptr + hc_ld[:, None] * stride_wdt + offs_d[None, :],
-                         mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(hv, wd, acc, input_precision="ieee")
-            else:
-                # h = hi + lo, both in the input dtype: two tensor-core products keep ~16 bits of
-                # h (one would round it like dense does). lo is 0 where h is ±Inf or NaN.
-                h_hi = hv.to(wd.dtype)
-                h_lo = tl.where(tl.abs(hv) < float("inf"), hv - h_hi.to(tl.float32), 0.0).to(wd.dtype)
-                if INTERPRET:
-                    acc = tl.dot(h_hi.to(tl.float32), wd.to(tl.float32), acc)
-                    acc = tl.dot(h_lo.to(tl.float32), wd.to(tl.float32), acc)
-                else:
-                    acc = tl.dot(h_hi, wd, acc)
-                    acc = tl.dot(h_lo, wd, acc)
+            hc = hc.to(tl.int64)
+            hv = _dense_hidden(x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, rows, r_ok, hc, h_ok, D, stride_xm, stride_wg,
+                               stride_wu, GATED, HAS_BG, HAS_BU, NATIVE, OVF, BM, BH, BK)
+            wd = tl.load(wdt_ptr + hc[:, None] * stride_wdt + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                         other=0.0)
+            acc = dot_split(hv, wd, acc, SPLIT, NATIVE)
         if HAS_BD:
             acc += tl.load(bd_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_d[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=flag[:, None] & d_ok[None, :])
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_d[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
 # Host launcher
 # ---------------------------------------------------------------------------------------------
-
-
-def _rowmajor(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def guard_rows(x, wg, wu, wd, bg, bu, bd) -> torch.Tensor:
@@ -380,6 +396,7 @@ def sparse_ffn(
     layout: TwellLayout = DEFAULT_LAYOUT,
     return_up: bool = False,
     max_tile_recompute: int = TILE_RECOMPUTE_MAX,
+    dense_scratch_rows: Optional[int] = None,
 ):
     """The FFN output from its packed gate (gated) or packed up pre-activation (plain).
 
@@ -407,6 +424,9 @@ def sparse_ffn(
         max_tile_recompute: an unflagged row with at most this many overflowed tiles recomputes
             just those tiles densely (``3·tile_n`` weight rows each); a row with more goes to the
             blocked dense kernel. Any value gives the same result up to rounding.
+        dense_scratch_rows: whole-dense rows computed through the fp32 ``h`` scratch (default: a
+            32 MiB budget); rows past it go to the blocked dense kernel (exact, slower when they
+            are few). Tests use small values.
 
     Returns:
         ``out [M, D]``, or ``(out, up_val)`` with ``return_up``.
@@ -429,6 +449,8 @@ def sparse_ffn(
         raise TypeError(f"out_dtype must be one of {[str(t) for t in _DTYPES]}, got {out_dtype}")
     if not isinstance(max_tile_recompute, int) or max_tile_recompute < 0:
         raise ValueError(f"max_tile_recompute must be an int >= 0, got {max_tile_recompute!r}")
+    if dense_scratch_rows is not None and (not isinstance(dense_scratch_rows, int) or dense_scratch_rows < 0):
+        raise ValueError(f"dense_scratch_rows must be an int >= 0, got {dense_scratch_rows!r}")
     if not INTERPRET and dev.type != "cuda":
         raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")
 
@@ -447,8 +469,8 @@ def sparse_ffn(
     out = torch.empty(m, d, dtype=out_dtype, device=dev)
     if dense_rows is None:
         dense_rows = guard_rows(x, wg, wu, wd, bg, bu, bd)
-    x, wu = _rowmajor(x), _rowmajor(wu)
-    wg = _rowmajor(wg) if gated else wu  # plain: never read
+    x, wu = rowmajor(x), rowmajor(wu)
+    wg = rowmajor(wg) if gated else wu  # plain: never read
     wdt = wd.t().contiguous()  # [H, D]: column j of Wd as a contiguous row (no copy if wd = wdt.t())
     idx, val, count = packed.idx.contiguous(), packed.val.contiguous(), packed.count.contiguous()
     dense_rows = dense_rows.contiguous()
@@ -460,22 +482,57 @@ def sparse_ffn(
     nt_p2 = max(2, triton.next_power_of_2(n_tiles))
     ovf = overflow_threshold(x.dtype)
 
-    # 3. Launch: sparse rows, then whole-dense rows (the two kernels write disjoint rows).
+    # 3. Launch: sparse rows, then the whole-dense rows it flags (the kernels write disjoint rows).
     block_d = max(16, triton.next_power_of_2(d))
+    whole = torch.empty(m, dtype=torch.bool, device=dev)
     _sparse_ffn_kernel[lambda meta: (triton.cdiv(m, meta["TOKENS"]),)](
-        *weights, idx, val, count, dense_rows, out, up_val if store_up else dummy,
+        *weights, idx, val, count, dense_rows, out, up_val if store_up else dummy, whole.view(torch.uint8),
         m, d, h, n_tiles, max_tile_recompute, *strides,
         **flags, STORE_UP=store_up, SLOTS=slots,
         TILE_N=layout.tile_n, NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf,
     )
     if d > 0:
-        tiles = _DENSE_TILES_INTERPRET if INTERPRET else _DENSE_TILES[x.element_size()]
-        bm, bh, bk, bd_blk, warps, stages = tiles
-        bd_blk = min(bd_blk, block_d)
-        _dense_rows_kernel[(triton.cdiv(m, bm), triton.cdiv(d, bd_blk))](
-            *weights, dense_rows, count, out,
-            m, d, h, n_tiles, max_tile_recompute, *strides,
-            **flags, IEEE=x.dtype == torch.float32, INTERPRET=INTERPRET, SLOTS=slots, NT_P2=nt_p2, OVF=ovf,
+        _dense_rows(whole, *weights, out, strides, flags, ovf, dense_scratch_rows)
+    return (out, up_val) if return_up else out
+
+
+def _dense_rows(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, ovf, scratch_rows) -> None:
+    """``out`` of the rows flagged in ``whole``, from their list on the device (no host sync).
+
+    The first ``r_cap`` list positions: ``h`` into an fp32 scratch (one ``[16, BH]`` tile per
+    program), then ``dense_rows.scratch_product`` (H split over programs). Positions past
+    ``r_cap``: the blocked kernel, which recomputes gate and up per output column block.
+    """
+    m, d = out.shape
+    h = wu.shape[0]
+    rows, n_dense = dense_list(whole)
+    native = x.dtype != torch.float32 and not INTERPRET
+    split = x.element_size() == 2  # h is already clipped to the input dtype's overflow points
+    bh, bk, bd_blk, warps = _SCRATCH_TILES_INTERPRET if INTERPRET else _SCRATCH_TILES[x.element_size()]
+    bd_blk = min(bd_blk, max(16, triton.next_power_of_2(d)))
+    m_pad = triton.cdiv(m, BR) * BR
+    if scratch_rows is None:
+        per_row = 4 * (h + split_count(h, bh) * d)
+        r_cap = max(BR, _DENSE_SCRATCH_BYTES // per_row // BR * BR)
+    else:
+        r_cap = triton.cdiv(scratch_rows, BR) * BR
+    r_cap = min(r_cap, m_pad)
+    x_args = (x, wg, bg, wu, bu)
+    x_strides = (strides[0], strides[1], strides[2])
+    hflags = dict(GATED=flags["GATED"], HAS_BG=flags["HAS_BG"], HAS_BU=flags["HAS_BU"])
+    if r_cap:
+        hid = torch.empty(1, r_cap, h, dtype=torch.float32, device=x.device)
+        _dense_hidden_kernel[(r_cap // BR, triton.cdiv(h, bh))](
+            *x_args, rows, n_dense, hid, d, h, *x_strides,
+            **hflags, NATIVE=native, OVF=ovf, BR=BR, BH=bh, BK=bk, num_warps=warps,
+        )
+        scratch_product(hid, rows, n_dense, (wdt,), out, bd if flags["HAS_BD"] else None,
+                        split=split, bh=bh, bd=bd_blk, warps=warps)
+    if m > r_cap:
+        bm, bh, bk, bd_blk, warps, stages = _DENSE_TILES_INTERPRET if INTERPRET else _DENSE_TILES[x.element_size()]
+        bd_blk = min(bd_blk, max(16, triton.next_power_of_2(d)))
+        _dense_rows_kernel[(triton.cdiv(m - r_cap, bm), triton.cdiv(d, bd_blk))](
+            *x_args, wdt, bd, rows, n_dense, out, d, h, r_cap, *strides,
+            **flags, NATIVE=native, SPLIT=split, OVF=ovf,
             BM=bm, BH=bh, BK=bk, BD=bd_blk, num_warps=warps, num_stages=stages,
         )
-    return (out, up_val) if return_up else out

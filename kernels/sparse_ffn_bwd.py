@@ -35,13 +35,11 @@ Kernels, in launch order:
 3. ``_dense_coef_kernel``: ``dgate``, ``dup`` and ``h`` of the first ``r_cap`` dense rows over all
    H, as ``[16, BH]`` tiles from ``tl.dot`` over D, into an fp32 scratch ``[3, r_cap, H]``
    (``r_cap`` from a 32 MiB budget: 496 rows at H = 5632).
-4. ``dx`` of the dense rows. The first ``r_cap`` list positions: ``_dense_dx_scratch_kernel``,
-   ``[16, BD]`` tiles over a split of H each, from the scratch coefficients (bf16: as ``hi + lo``
-   bf16 pairs on tensor cores), then a sum over the splits and a scatter into ``dx``. Positions
-   past ``r_cap``: ``_dense_dx_kernel``, coefficients recomputed over all H (exact, slow). Before
-   the split, one dense row cost 4.7 ms at the benchmark shape on the H200 (16 programs, each
-   looping over all of H with IEEE fp32 products); with it, 0.05 ms (backward 3.04 ms with one
-   dense row, 3.05 with 14, 2.95 with none).
+4. ``dx`` of the dense rows. The first ``r_cap`` list positions: ``dense_rows.scratch_product``
+   (H split over programs, bf16 coefficients as ``hi + lo`` pairs on tensor cores). Positions past
+   ``r_cap``: ``_dense_dx_kernel``, coefficients recomputed over all H (exact, slow). Before the
+   split, one dense row cost 4.7 ms at the benchmark shape on the H200; with it, 0.05 ms
+   (backward 3.04 ms with one dense row, 3.05 with 14, 2.95 with none).
 5. ``_wgrad_kernel``: neuron-major. A program owns neuron ``j`` × a ``BD`` slice of D, loops over
    ``j``'s pairs in token order (``dgate``/``dup``/``h`` recomputed from ``val``, ``up_val`` and the
    stored ``dh``) gathering ``x`` and ``dout`` rows, then over the dense rows (scratch column, or
@@ -70,7 +68,6 @@ dense-row coefficients (≤ 32 MiB), ``Wdᵀ``.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -78,21 +75,11 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
+from .dense_rows import BR, INTERPRET, dense_list, dot, jit_helper, rowmajor, scratch_product
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
 
-# Set before import (DESIGN.md section 9): the interpreter computes bf16 tl.dot wrongly and cannot
-# autotune over several configs.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _helper(fn):
-    """``triton.jit`` for device helpers; a plain function under the interpreter, which re-patches
-    ``triton.language`` on every call of a jit function (about 2 ms each, most of the CPU test
-    time) while a plain function runs inside the kernel's already patched scope."""
-    return fn if INTERPRET else triton.jit(fn)
 
 
 if INTERPRET:
@@ -120,8 +107,6 @@ _RANK_TB = 64
 _RANK_USE_GATHER = True
 # Dense-row coefficient scratch budget (fp32 [3, r_cap, H]); rows past it are recomputed.
 _DENSE_SCRATCH_BYTES = 32 << 20
-# Rows per dense tile: the smallest tl.dot M dimension on tensor cores.
-_BR = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +114,7 @@ _BR = 16
 # ---------------------------------------------------------------------------------------------
 
 
-@_helper
+@jit_helper
 def _hidden(pre, up, GATED: tl.constexpr):
     """``(relu(pre), h)``; relu keeps NaN, as ``torch.relu`` does."""
     act = tl.where(pre <= 0.0, 0.0, pre)
@@ -140,13 +125,13 @@ def _hidden(pre, up, GATED: tl.constexpr):
     return act, hv
 
 
-@_helper
+@jit_helper
 def _sign(v):
     """``torch.sign``: -1, 0 or 1, and 0 for NaN."""
     return tl.where(v > 0.0, 1.0, tl.where(v < 0.0, -1.0, 0.0))
 
 
-@_helper
+@jit_helper
 def _pair_grads(pre, up, act, dh, GATED: tl.constexpr):
     """``(dgate, dup)`` from ``dh``; plain FFNs return ``dup`` twice."""
     if GATED:
@@ -156,17 +141,6 @@ def _pair_grads(pre, up, act, dh, GATED: tl.constexpr):
         d_up = tl.where(pre <= 0.0, 0.0, dh)
         d_gate = d_up
     return d_gate, d_up
-
-
-@_helper
-def _dot(a, b, acc, NATIVE: tl.constexpr):
-    """``acc + a @ b``: tensor cores on 16-bit operands (exact products, fp32 sums), else IEEE fp32
-    (also under the interpreter, whose bf16 tl.dot is wrong)."""
-    if NATIVE:
-        acc = tl.dot(a, b, acc)
-    else:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return acc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +342,7 @@ def _tokens_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@_helper
+@jit_helper
 def _dense_tile(
     x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, rows, r_ok, hc, h_ok, D,
     stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
@@ -392,11 +366,11 @@ def _dense_tile(
         ga = tl.load(dout_ptr + rows[:, None] * stride_gm + kk[None, :], mask=a_mask, other=0.0)
         wut = tl.load(wu_ptr + hc[None, :] * stride_wu + kk[:, None], mask=b_mask, other=0.0)
         wdtt = tl.load(wdt_ptr + hc[None, :] * stride_wdt + kk[:, None], mask=b_mask, other=0.0)
-        up = _dot(xa, wut, up, NATIVE)
-        dhd = _dot(ga, wdtt, dhd, NATIVE)
+        up = dot(xa, wut, up, NATIVE)
+        dhd = dot(ga, wdtt, dhd, NATIVE)
         if GATED:
             wgt = tl.load(wg_ptr + hc[None, :] * stride_wg + kk[:, None], mask=b_mask, other=0.0)
-            gate = _dot(xa, wgt, gate, NATIVE)
+            gate = dot(xa, wgt, gate, NATIVE)
     if HAS_BU:
         up += tl.load(bu_ptr + hc, mask=h_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -408,7 +382,7 @@ def _dense_tile(
     return pre, up, dhd
 
 
-@_helper
+@jit_helper
 def _dense_coefs(
     x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale, rows, r_ok, hc, h_ok, D,
     stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
@@ -496,97 +470,12 @@ def _dense_dx_kernel(
                                            stride_wdt, GATED, HAS_BG, HAS_BU, NATIVE, BR, BH, BK)
             w_mask = h_ok[:, None] & d_ok[None, :]
             wu = tl.load(wu_ptr + hc[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
-            acc = _dot(d_up, wu, acc, False)
+            acc = dot(d_up, wu, acc, False)
             if GATED:
                 wg = tl.load(wg_ptr + hc[:, None] * stride_wg + offs_d[None, :], mask=w_mask, other=0.0)
-                acc = _dot(d_gate, wg, acc, False)
+                acc = dot(d_gate, wg, acc, False)
         tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
                  mask=r_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _dense_dx_scratch_kernel(
-    # pointers
-    wg_ptr, wu_ptr, ndense_ptr, coef_ptr, part_ptr,
-    # dimensions (PLANE = R_CAP · H; H_PER: the H columns of one split)
-    D, H, R_CAP, PLANE, H_PER,
-    # row strides (elements)
-    stride_wg, stride_wu,
-    # meta-parameters
-    GATED: tl.constexpr, SPLIT_BF16: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-):
-    """``part[s, i, dblock] = Σ_{j in split s} dgate[i, j] · Wg[j, dblock] + dup[i, j] · Wu[j, dblock]``
-    for the ``BR`` list positions ``i < n_dense`` of this program, from the fp32 scratch.
-
-    Splitting H over programs keeps a few dense rows from running on a handful of programs that
-    each loop over all of H. SPLIT_BF16 (bf16 weights): each coefficient is a sum of two bf16
-    values, ``hi + lo``, and both go through tensor cores (16 mantissa bits, fp32 sums); otherwise
-    IEEE fp32 products (fp16's range could not hold ``hi``, and the interpreter needs them).
-    """
-    i0 = tl.program_id(0) * BR
-    n_dense = tl.load(ndense_ptr)
-    if i0 < n_dense:
-        i = i0 + tl.arange(0, BR)
-        r_ok = i < n_dense
-        offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-        d_ok = offs_d < D
-        h_lo = tl.program_id(2) * H_PER
-        h_hi = tl.minimum(H, h_lo + H_PER)
-        acc = tl.full((BR, BD), 0.0, tl.float32)
-        for h0 in range(h_lo, h_hi, BH):
-            hc = h0 + tl.arange(0, BH)
-            h_ok = hc < h_hi
-            hc = hc.to(tl.int64)
-            at = i.to(tl.int64)[:, None] * H + hc[None, :]
-            ok = r_ok[:, None] & h_ok[None, :]
-            w_mask = h_ok[:, None] & d_ok[None, :]
-            d_up = tl.load(coef_ptr + (PLANE if GATED else 0) + at, mask=ok, other=0.0)
-            wu = tl.load(wu_ptr + hc[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
-            acc = _dot_coef(d_up, wu, acc, SPLIT_BF16)
-            if GATED:
-                d_gate = tl.load(coef_ptr + at, mask=ok, other=0.0)
-                wg = tl.load(wg_ptr + hc[:, None] * stride_wg + offs_d[None, :], mask=w_mask, other=0.0)
-                acc = _dot_coef(d_gate, wg, acc, SPLIT_BF16)
-        part = part_ptr + tl.program_id(2).to(tl.int64) * R_CAP * D
-        tl.store(part + i.to(tl.int64)[:, None] * D + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
-
-
-@_helper
-def _dot_coef(c, w, acc, SPLIT_BF16: tl.constexpr):
-    """``acc + c @ w`` for fp32 coefficients ``c`` and 16/32-bit weights ``w``."""
-    if SPLIT_BF16:
-        hi = c.to(tl.bfloat16)
-        lo = (c - hi.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(hi, w, acc)
-        acc = tl.dot(lo, w, acc)
-    else:
-        acc = tl.dot(c.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    return acc
-
-
-def _dense_dx_from_scratch(coef, rows, n_dense, r_cap: int, wg, wu, dx_buf, *, split_bf16: bool, bh: int, bd: int,
-                           warps: int) -> None:
-    """``dx`` of the dense rows at list positions ``< r_cap``, from their scratch coefficients.
-
-    ``wg`` is None for a plain FFN. No host sync: the sum over H splits and the scatter cover all
-    ``r_cap`` positions; those past ``n_dense`` hold unspecified values and go to the dump row
-    ``dx_buf[-1]``.
-    """
-    h, d = wu.shape
-    split = max(1, min(16, triton.cdiv(h, 8 * bh)))  # about 8 BH blocks per program
-    h_per = triton.cdiv(triton.cdiv(h, split), bh) * bh
-    split = triton.cdiv(h, h_per)
-    part = torch.empty(split, r_cap, d, dtype=torch.float32, device=wu.device)
-    _dense_dx_scratch_kernel[(r_cap // _BR, triton.cdiv(d, bd), split)](
-        wg if wg is not None else wu, wu, n_dense, coef, part,
-        d, h, r_cap, r_cap * h, h_per, (wg if wg is not None else wu).stride(0), wu.stride(0),
-        GATED=wg is not None, SPLIT_BF16=split_bf16, BR=_BR, BH=bh, BD=bd, num_warps=warps,
-    )
-    dump = dx_buf.shape[0] - 1
-    k = min(r_cap, rows.numel())  # r_cap is rounded up to whole row blocks; positions >= M are unused
-    target = torch.full((r_cap,), dump, dtype=torch.long, device=rows.device)
-    target[:k] = torch.where(torch.arange(k, device=rows.device) < n_dense, rows[:k].long(), dump)
-    dx_buf.index_copy_(0, target, part.sum(0).to(dx_buf.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -612,7 +501,7 @@ def _prune_wgrad(configs, nargs, **kwargs):
     return keep or [min(configs, key=lambda c: c.kwargs["BD"])]
 
 
-@_helper
+@jit_helper
 def _neuron_dots(
     x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, rows, r_ok, j, D,
     stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
@@ -767,10 +656,6 @@ def _wgrad_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _rowmajor(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def backward_dense_rows(
     dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked, forward_rows: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -786,19 +671,6 @@ def backward_dense_rows(
     if wg is not None and x.shape[0] > 0:
         rows |= _may_overflow(dout, wd.T, None, dout.dtype)
     return rows
-
-
-def _dense_list(dense_rows: torch.Tensor):
-    """``(rows, n_dense)``: int32 ``[M]`` list of the flagged rows in increasing order (entries past
-    ``n_dense`` are unspecified) and int32 ``[1]`` count. Device ops, unique scatter targets."""
-    m = dense_rows.shape[0]
-    dev = dense_rows.device
-    csum = torch.cumsum(dense_rows.to(torch.int32), 0, dtype=torch.int32)
-    ar = torch.arange(m, dtype=torch.int32, device=dev)
-    target = torch.where(dense_rows, csum - 1, ar + m).long()  # the others go to a dump half
-    rows = torch.zeros(2 * m, dtype=torch.int32, device=dev)
-    rows.scatter_(0, target, ar)
-    return rows, csum[-1:]
 
 
 def sparse_ffn_backward(
@@ -871,8 +743,7 @@ def sparse_ffn_backward(
         raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")
 
     # 2. Allocate the outputs and the scratch.
-    dx_buf = torch.empty(m + 1, d, dtype=x.dtype, device=dev)  # row m: dump row of unused dense positions
-    dx = dx_buf[:m]
+    dx = torch.empty(m, d, dtype=x.dtype, device=dev)
     dwg = torch.empty(h, d, dtype=wg.dtype, device=dev) if gated else None
     dwu = torch.empty(h, d, dtype=wu.dtype, device=dev)
     dwdt = torch.empty(h, d, dtype=wd.dtype, device=dev)
@@ -886,8 +757,8 @@ def sparse_ffn_backward(
         return Grads(dx, dwg, dwu, dwdt.t(), dbg, dbu, dbd)
 
     scale = (l1_scale.to(torch.float32) / m).reshape(())  # the reference's l1_scale / max(1, M)
-    x, dout, wu = _rowmajor(x), _rowmajor(dout), _rowmajor(wu)
-    wg_ = _rowmajor(wg) if gated else wu
+    x, dout, wu = rowmajor(x), rowmajor(dout), rowmajor(wu)
+    wg_ = rowmajor(wg) if gated else wu
     wdt = wd.t().contiguous()  # [H, D]: column j of Wd as a contiguous row
     idx, val, count = packed.idx.contiguous(), packed.val.contiguous(), packed.count.contiguous()
     up = up_val.contiguous() if gated else val
@@ -898,13 +769,13 @@ def sparse_ffn_backward(
     dh = torch.empty(m, n_tiles, slots, dtype=torch.float32, device=dev)
 
     nptr, lists = neuron_major(TwellPacked(idx, val, count), dense_rows, h, layout=layout)
-    rows, n_dense = _dense_list(dense_rows)
+    rows, n_dense = dense_list(dense_rows)
     planes = 3 if gated else 2
-    m_pad = triton.cdiv(m, _BR) * _BR
+    m_pad = triton.cdiv(m, BR) * BR
     if dense_scratch_rows is None:
-        r_cap = max(_BR, _DENSE_SCRATCH_BYTES // (4 * planes * h) // _BR * _BR)
+        r_cap = max(BR, _DENSE_SCRATCH_BYTES // (4 * planes * h) // BR * BR)
     else:
-        r_cap = triton.cdiv(dense_scratch_rows, _BR) * _BR
+        r_cap = triton.cdiv(dense_scratch_rows, BR) * BR
     r_cap = min(r_cap, m_pad)
     coef = torch.empty(planes, r_cap, h, dtype=torch.float32, device=dev) if r_cap else dummy
 
@@ -929,16 +800,17 @@ def sparse_ffn_backward(
     )
     dense_args = (x, dout, wg_, wu, wdt, bg_, bu_, scale, rows, n_dense, coef)
     if r_cap:
-        _dense_coef_kernel[(r_cap // _BR, triton.cdiv(h, bh))](
+        _dense_coef_kernel[(r_cap // BR, triton.cdiv(h, bh))](
             *dense_args, d, h, r_cap * h, x.stride(0), dout.stride(0), *w_strides,
-            **flags, NATIVE=native, BR=_BR, BH=bh, BK=bk, num_warps=warps,
+            **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, num_warps=warps,
         )
-        _dense_dx_from_scratch(coef, rows, n_dense, r_cap, wg_ if gated else None, wu, dx_buf,
-                               split_bf16=native and x.dtype == torch.bfloat16, bh=bh, bd=bd_blk, warps=warps)
+        # hi + lo in bf16 only: fp16's range cannot hold every finite fp32 coefficient.
+        scratch_product(coef, rows, n_dense, (wg_, wu) if gated else (wu,), dx,
+                        split=x.dtype == torch.bfloat16, bh=bh, bd=bd_blk, warps=warps)
     if m_pad > r_cap:
-        _dense_dx_kernel[((m_pad - r_cap) // _BR, triton.cdiv(d, bd_blk))](
+        _dense_dx_kernel[((m_pad - r_cap) // BR, triton.cdiv(d, bd_blk))](
             *dense_args[:-1], dx, d, h, r_cap, x.stride(0), dout.stride(0), *w_strides, dx.stride(0),
-            **flags, NATIVE=native, BR=_BR, BH=bh, BK=bk, BD=bd_blk, num_warps=warps,
+            **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, BD=bd_blk, num_warps=warps,
         )
     _wgrad_kernel[lambda meta: (h, triton.cdiv(d, meta["BD"]))](
         x, dout, val, up, dh, nptr, lists, rows, n_dense, coef,
@@ -946,6 +818,6 @@ def sparse_ffn_backward(
         dwg if gated else dwu, dwu, dwdt, dbg if dbg is not None else dummy, dbu if dbu is not None else dummy,
         d, h, n_tiles * slots, r_cap, r_cap * h,
         x.stride(0), dout.stride(0), *w_strides,
-        **flags, CR=_BR, BK=bk,
+        **flags, CR=BR, BK=bk,
     )
     return Grads(dx, dwg, dwu, dwdt.t(), dbg, dbu, dbd)

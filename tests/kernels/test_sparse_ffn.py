@@ -68,9 +68,10 @@ def assert_out_close(got, ref, dtype, label=""):
     assert_close_verbose(got, ref, rtol=RTOL[dtype], atol=ATOL[dtype] * max(scale, 1e-30), name=label)
 
 
-def check_against_reference(ffn: FFN, layout=DEFAULT_LAYOUT, *, routes=((None, 4),), label=""):
+def check_against_reference(ffn: FFN, layout=DEFAULT_LAYOUT, *, routes=((None, 4, None),), label=""):
     """``sparse_ffn`` with the reference's dense rows (and its up values), then with each routing
-    in ``routes`` (``(dense_rows or None, max_tile_recompute)``): same ``out`` every time."""
+    in ``routes`` (``(dense_rows or None, max_tile_recompute, dense_scratch_rows)``): same ``out``
+    every time."""
     res = R.ffn_forward_ref(*ffn.args(), layout=layout)
     out, up = _run(ffn, res.packed, res.dense_rows, layout, return_up=True)
     assert_out_close(out, res.out, ffn.dtype, label=f"{label} out")
@@ -81,12 +82,16 @@ def check_against_reference(ffn: FFN, layout=DEFAULT_LAYOUT, *, routes=((None, 4
                              name=f"{label} up_val")
     else:
         assert up.shape == (0,)
-    for dense_rows, tile_max in routes:
-        got, up2 = _run(ffn, res.packed, dense_rows, layout, max_tile_recompute=tile_max, return_up=True)
-        route = f"dense_rows={dense_rows is not None}, tile_max={tile_max}"
+    for dense_rows, tile_max, scratch_rows in routes:
+        got, up2 = _run(ffn, res.packed, dense_rows, layout, max_tile_recompute=tile_max,
+                        dense_scratch_rows=scratch_rows, return_up=True)
+        route = f"dense_rows={dense_rows is not None}, tile_max={tile_max}, scratch_rows={scratch_rows}"
         assert_out_close(got, res.out, ffn.dtype, label=f"{label} out ({route})")
-        if ffn.gated:
-            assert torch.equal(up2.isnan(), up.isnan()) and torch.allclose(up2, up, equal_nan=True)
+        if ffn.gated:  # rows flagged beyond the reference's keep no up values
+            keep = torch.ones_like(res.dense_rows) if dense_rows is None else ~(dense_rows & ~res.dense_rows)
+            assert torch.equal(up2[~keep], torch.zeros_like(up2[~keep]))
+            assert torch.equal(up2[keep].isnan(), up[keep].isnan())
+            assert torch.allclose(up2[keep], up[keep], equal_nan=True)
     return res
 
 
@@ -97,10 +102,11 @@ def check_against_reference(ffn: FFN, layout=DEFAULT_LAYOUT, *, routes=((None, 4
 
 @settings(max_examples=14, deadline=None)
 @given(cfg=ffn_configs(dtypes=(torch.float32, torch.float16), max_m=40, max_d=48, max_h=300, min_m=1),
-       tile_max=st.sampled_from([0, 1, 4]))
-def test_matches_reference(cfg, tile_max):
+       tile_max=st.sampled_from([0, 1, 4]), scratch_rows=st.sampled_from([None, 0, 16]))
+def test_matches_reference(cfg, tile_max, scratch_rows):
+    """Whole-dense rows through the h scratch, the blocked kernel (0 scratch rows), or both."""
     ffn = _on(cfg.build())
-    check_against_reference(ffn, cfg.layout, routes=((None, tile_max),), label=str(cfg))
+    check_against_reference(ffn, cfg.layout, routes=((None, tile_max, scratch_rows),), label=str(cfg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +135,8 @@ def test_capacity_edges_and_every_routing(gated, dtype):
     """16 actives fit a tile, 17 overflow it; an overflowed tile is exact whether the row is
     flagged dense, recomputed tile by tile, or sent whole to the blocked dense kernel."""
     ffn = _on(make_ffn_with_pattern(_capacity_pattern(), gated=gated, dtype=dtype, seed=1))
-    res = check_against_reference(ffn, routes=((None, 0), (None, 1), (None, 2), (None, 99)))
+    res = check_against_reference(ffn, routes=((None, 0, None), (None, 1, None), (None, 2, None), (None, 99, None),
+                                                (None, 0, 0)))
     assert res.packed.count[2].tolist() == [16, 17, 16]
     assert res.dense_rows[[1, 2, 3, 4, 6]].all() and not res.dense_rows[[0, 5]].any()
 
@@ -138,7 +145,7 @@ def test_capacity_edges_and_every_routing(gated, dtype):
 @pytest.mark.parametrize("gated", [True, False])
 def test_density_extremes(density, gated):
     ffn = _on(make_ffn(17, 20, 260, density=density, gated=gated, seed=2))
-    check_against_reference(ffn, routes=((None, 4), (None, 0)))
+    check_against_reference(ffn, routes=((None, 4, None), (None, 0, None), (None, 0, 16)))  # 16 + 1 rows
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -156,7 +163,7 @@ def test_end_to_end_with_gate_pack(bias):
 
 def test_hot_rows_and_skewed_neurons():
     ffn = _on(make_ffn(33, 24, 300, density=0.03, skew=3.0, hot_rows=(0, 7, 32), seed=4))
-    check_against_reference(ffn, routes=((None, 0), (None, 4)))
+    check_against_reference(ffn, routes=((None, 0, None), (None, 4, None)))
 
 
 def test_wd_as_a_transposed_view_and_out_dtype():
@@ -188,7 +195,7 @@ def test_nonfinite_inputs_match_dense_semantics(where, dtype):
         t[3, 5] = value
     else:
         t[7] = value
-    check_against_reference(ffn, routes=((None, 4),))
+    check_against_reference(ffn, routes=((None, 4, None),))
 
 
 def test_float16_overflow_of_up_and_h():
@@ -197,7 +204,7 @@ def test_float16_overflow_of_up_and_h():
     ffn = _on(make_ffn(11, 16, 140, density=0.1, seed=7).to(torch.float16))
     ffn.x[2] *= 3000.0
     ffn.x[5] *= 300.0
-    check_against_reference(ffn, routes=((None, 4),))
+    check_against_reference(ffn, routes=((None, 4, None),))
 
 
 def _sparse_oracle(ffn: FFN, packed: TwellPacked) -> torch.Tensor:
@@ -258,7 +265,7 @@ def test_degenerate_shapes(m, d, h):
         out, up = _run(ffn, res.packed, None, return_up=True)
         assert out.shape == (0, d) and up.shape == (0, 1, 16)
         return
-    check_against_reference(ffn, routes=((None, 0),))
+    check_against_reference(ffn, routes=((None, 0, None),))
 
 
 def test_empty_hidden_gives_the_bias():
@@ -359,7 +366,8 @@ def _gpu_ffn(m, d, h, density, *, gated=True, dtype=torch.bfloat16, skew=0.0, se
 @pytest.mark.parametrize("gated", [True, False])
 def test_gpu_matches_reference(dtype, gated):
     ffn = _gpu_ffn(1000, 320, 1000, 0.03, gated=gated, dtype=dtype, seed=1)
-    check_against_reference(ffn, routes=((None, 0), (None, 4)))
+    every_row = torch.ones(1000, dtype=torch.bool, device="cuda")  # through the scratch, then the blocked kernel
+    check_against_reference(ffn, routes=((None, 0, None), (None, 4, None), (every_row, 4, None), (every_row, 4, 16)))
     x, wg, wu, wd, bg, bu, bd = ffn.args()
     packed = gate_pack(x, wg, bg) if gated else gate_pack(x, wu, bu)
     out = sparse_ffn(x, packed, wu, wd, bu, bd, wg=wg, bg=bg)
@@ -372,14 +380,16 @@ def test_gpu_matches_reference(dtype, gated):
 @pytest.mark.parametrize("gated", [True, False])
 def test_gpu_accuracy_vs_float64_at_benchmark_shape(gated, density, skew):
     """M=4096, D=2048, H=5632, bf16: ‖out − ref₆₄‖/‖ref₆₄‖ no worse than dense bf16 PyTorch's,
-    with the reference's dense rows and with the guard rows only (overflow handled in-kernel)."""
+    with the reference's dense rows, with the guard rows only (overflow handled in-kernel), and
+    with three more rows sent whole-dense."""
     m, d, h = 4096, 2048, 5632
     ffn = _gpu_ffn(m, d, h, density, gated=gated, skew=skew, seed=2)
     x, wg, wu, wd, bg, bu, bd = ffn.args()
     ref64 = R.dense_ffn_ref(*ffn.double().args())
     theirs = rel_error(R.dense_ffn_ref(*ffn.args()), ref64, nan_mismatch="inf")
     packed = gate_pack(x, wg, bg) if gated else gate_pack(x, wu, bu)
-    for rows in (R.dense_rows_ref(*ffn.args(), packed), None):
+    extra = guard_rows(*ffn.args()).index_fill_(0, torch.tensor([0, 17, m - 1], device="cuda"), True)
+    for rows in (R.dense_rows_ref(*ffn.args(), packed), None, extra):
         out = sparse_ffn(x, packed, wu, wd, bu, bd, dense_rows=rows, wg=wg, bg=bg)
         ours = rel_error(out, ref64)
         assert ours <= accuracy_bar(theirs, torch.bfloat16), \
