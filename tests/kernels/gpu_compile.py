@@ -1,0 +1,209 @@
+"""Compile every Triton kernel of ``twell_compile.kernels`` for a real GPU, on any machine.
+
+CI has no GPU, so its tests run the kernels in the Triton interpreter, which never sees the GPU
+compiler: a kernel can pass every CPU test and still fail to compile on the H200 (a global that is
+not a constexpr, a type the interpreter tolerates). This script runs Triton's whole compiler
+(frontend, TTGIR, LLVM, ``ptxas`` to a cubin) for a GPU target on the CPU, with the argument types
+and meta-parameters the launchers use: every autotune config for bf16 gated FFNs, the first config
+for fp16/fp32 and plain FFNs. Nothing is launched.
+
+Usage (the interpreter must be off, so run it outside pytest's process)::
+
+    python -m tests.kernels.gpu_compile --arch sm90 [--ptx-dir DIR]
+
+Prints one line per compiled variant; exit status 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    sys.exit("gpu_compile: unset TRITON_INTERPRET (the kernels must be imported for the GPU compiler)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from twell_compile.kernels import dense_rows as DR  # noqa: E402
+from twell_compile.kernels import gate_pack as GP  # noqa: E402
+from twell_compile.kernels import sparse_ffn as SF  # noqa: E402
+from twell_compile.kernels import sparse_ffn_bwd as SB  # noqa: E402
+
+ARCHS = {"sm90": GPUTarget("cuda", 90, 32), "sm80": GPUTarget("cuda", 80, 32)}
+TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+# Benchmark shape: D = 2048, H = 5632 (44 TwELL tiles of 128 columns, 16 slots).
+D, SLOTS, TILE_N, NT_P2 = 2048, 16, 128, 64
+
+# Pointer arguments that are not of the FFN's dtype (the rest are).
+F32 = {"val_ptr", "up_ptr", "coef_ptr", "hid_ptr", "part_ptr", "dh_ptr", "scale_ptr"}
+I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr"}
+U8 = {"whole_ptr"}
+
+
+def _jit_fn(kernel):
+    """The JITFunction under autotune/heuristics wrappers."""
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def _configs(kernel, full: bool, prune_kwargs=None, nargs=None):
+    """The autotune configs a launch could try (pruned as the launcher's kwargs would), or one."""
+    configs = list(kernel.configs)
+    prune = getattr(kernel, "early_config_prune", None)
+    if prune is not None and prune_kwargs is not None:
+        configs = prune(configs, nargs or {}, **prune_kwargs)
+    return configs if full else configs[:1]
+
+
+def _name(config) -> str:
+    return " ".join(f"{k}={v}" for k, v in config.kwargs.items()) + f" w{config.num_warps} s{config.num_stages}"
+
+
+def compile_kernel(kernel, target, dtype, consts: dict, types: dict | None = None, config=None, *, num_warps=4,
+                   num_stages=None):
+    """Compile one variant; returns the CompiledKernel. ``types`` overrides argument types by name."""
+    fn = _jit_fn(kernel)
+    consts = dict(consts)
+    opts = {"num_warps": num_warps}
+    if num_stages is not None:
+        opts["num_stages"] = num_stages
+    if config is not None:
+        consts.update(config.kwargs)
+        opts.update(num_warps=config.num_warps, num_stages=config.num_stages)
+    types = types or {}
+    signature = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32" if name in F32 else "*i32" if name in I32 else "*u8" if name in U8 else (
+                "*" + TY[dtype])
+        else:
+            signature[name] = "i32"
+    missing = [n for n in consts if n not in fn.arg_names]
+    if missing:
+        raise KeyError(f"{fn.__name__} has no arguments {missing}")
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=target, options=opts)
+
+
+def variants(arch: str, full: bool):
+    """``(label, thunk)`` for every kernel variant to compile."""
+    target = ARCHS[arch]
+    hopper = target.arch >= 90
+    cases = [(torch.bfloat16, True, full)] + [(dt, g, False) for dt, g in ((torch.bfloat16, False),
+                                                                            (torch.float16, True),
+                                                                            (torch.float32, True),
+                                                                            (torch.float32, False))]
+    for dtype, gated, all_configs in cases:
+        tag = f"{TY[dtype]} {'gated' if gated else 'plain'}"
+        sixteen = dtype != torch.float32
+        ovf = GP.overflow_threshold(dtype)
+        biases = dict(HAS_BG=gated, HAS_BU=True)
+
+        # gate_pack: TMA descriptors (Hopper, 16-bit) or pointers.
+        for use_tma in ([True, False] if hopper and sixteen else [False]):
+            for cfg in _configs(GP._gate_pack_kernel, all_configs, dict(USE_TMA=use_tma)):
+                types = {"x": f"*{TY[dtype]}", "w": f"*{TY[dtype]}"}
+                if use_tma:
+                    bm, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_K"]
+                    types = {"x": f"tensordesc<{TY[dtype]}[{bm}, {bk}]>", "w": f"tensordesc<{TY[dtype]}[{TILE_N}, {bk}]>"}
+                consts = dict(HAS_BIAS=True, USE_TMA=use_tma, IEEE=not sixteen, INTERPRET=False, OVF=ovf, SLOTS=SLOTS,
+                              BLOCK_N=TILE_N, GROUP_M=GP._GROUP_M, EVEN_K=D % cfg.kwargs["BLOCK_K"] == 0)
+                label = f"gate_pack {tag} tma={use_tma} {_name(cfg)}"
+                yield label, (lambda consts=consts, types=types, cfg=cfg, dtype=dtype:
+                              compile_kernel(GP._gate_pack_kernel, target, dtype, consts, types, cfg))
+
+        # Forward consumer and its dense rows.
+        for store_up in ([True, False] if gated else [False]):
+            for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D)):
+                consts = dict(GATED=gated, **biases, HAS_BD=True, STORE_UP=store_up, SLOTS=SLOTS, TILE_N=TILE_N,
+                              NT_P2=NT_P2, BLOCK_D=D, OVF=ovf)
+                yield (f"sparse_ffn {tag} store_up={store_up} {_name(cfg)}",
+                       lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
+                           SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))
+        native = sixteen
+        bh, bk, bd, warps = SF._SCRATCH_TILES[dtype.itemsize]
+        yield f"dense_hidden {tag}", (lambda dtype=dtype, gated=gated, ovf=ovf, bh=bh, bk=bk, warps=warps: compile_kernel(
+            SF._dense_hidden_kernel, target, dtype,
+            dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=sixteen, OVF=ovf, BR=DR.BR, BH=bh, BK=bk), num_warps=warps))
+        bm, bh2, bk2, bd2, warps2, stages2 = SF._DENSE_TILES[dtype.itemsize]
+        yield f"dense_rows {tag}", (lambda dtype=dtype, gated=gated, ovf=ovf, a=(bm, bh2, bk2, bd2, warps2, stages2):
+                                    compile_kernel(SF._dense_rows_kernel, target, dtype,
+                                                   dict(GATED=gated, HAS_BG=gated, HAS_BU=True, HAS_BD=True,
+                                                        NATIVE=native, SPLIT=sixteen, OVF=ovf, BM=a[0], BH=a[1],
+                                                        BK=a[2], BD=a[3]), num_warps=a[4], num_stages=a[5]))
+        for two, split in ((False, sixteen), (gated, dtype == torch.bfloat16)):  # forward, backward
+            yield f"split_product {tag} two={two} split={split}", (
+                lambda dtype=dtype, two=two, split=split, bh=bh, bd=bd, warps=warps: compile_kernel(
+                    DR._split_product_kernel, target, dtype,
+                    dict(TWO=two, SPLIT=split, NATIVE=True, BR=DR.BR, BH=bh, BD=bd), num_warps=warps))
+        yield f"split_sum {tag}", (lambda dtype=dtype, bd=bd: compile_kernel(
+            DR._split_sum_kernel, target, dtype, dict(HAS_BIAS=True, BR=DR.BR, BD=bd)))
+
+        # Backward.
+        for place in (False, True):
+            yield f"rank {tag} place={place}", (lambda dtype=dtype, place=place: compile_kernel(
+                SB._rank_kernel, target, dtype,
+                dict(PLACE=place, SLOTS=SLOTS, SLOTS_P2=SLOTS, TILE_N=TILE_N, TB=SB._RANK_TB,
+                     USE_GATHER=SB._RANK_USE_GATHER),
+                {"dense_ptr": "*u8", "starts_ptr": "*i64" if place else "*i32"}))
+        for cfg in _configs(SB._tokens_kernel, all_configs, dict(BLOCK_D=D)):
+            yield f"tokens {tag} {_name(cfg)}", (lambda dtype=dtype, gated=gated, cfg=cfg: compile_kernel(
+                SB._tokens_kernel, target, dtype, dict(GATED=gated, SLOTS=SLOTS, NT_P2=NT_P2, BLOCK_D=D),
+                {"dense_ptr": "*u8"}, cfg))
+        bh, bk, bd = 64, 64, (64 if dtype == torch.float32 else 128)
+        flags = dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=native, BR=DR.BR, BH=bh, BK=bk)
+        yield f"dense_coef {tag}", (lambda dtype=dtype, flags=flags: compile_kernel(
+            SB._dense_coef_kernel, target, dtype, flags))
+        yield f"dense_dx {tag}", (lambda dtype=dtype, flags=flags, bd=bd: compile_kernel(
+            SB._dense_dx_kernel, target, dtype, dict(flags, BD=bd)))
+        for cfg in _configs(SB._wgrad_kernel, all_configs, {}, {"D": D}):
+            yield f"wgrad {tag} {_name(cfg)}", (lambda dtype=dtype, gated=gated, cfg=cfg: compile_kernel(
+                SB._wgrad_kernel, target, dtype, dict(GATED=gated, HAS_BG=gated, HAS_BU=True, CR=DR.BR, BK=64),
+                {"nptr_ptr": "*i64"}, cfg))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="sm90")
+    parser.add_argument("--first-config-only", action="store_true", help="one autotune config per kernel and dtype")
+    parser.add_argument("--ptx-dir", type=Path, help="write each variant's PTX here")
+    args = parser.parse_args(argv)
+    failed = 0
+    t0 = time.time()
+    seen = set()
+    for label, thunk in variants(args.arch, full=not args.first_config_only):
+        if label in seen:  # e.g. the forward's and a plain backward's split_product are one kernel
+            continue
+        seen.add(label)
+        try:
+            compiled = thunk()
+        except Exception:  # report every failing variant, not just the first
+            failed += 1
+            print(f"FAIL {args.arch} {label}\n{traceback.format_exc()}", flush=True)
+            continue
+        ptx = compiled.asm["ptx"]
+        wgmma = "wgmma.mma_async" in ptx
+        print(f"ok   {args.arch} {label}  cubin {len(compiled.asm['cubin'])} B  wgmma={wgmma}", flush=True)
+        if args.ptx_dir:
+            args.ptx_dir.mkdir(parents=True, exist_ok=True)
+            (args.ptx_dir / (label.replace(" ", "_").replace("/", "-")[:150] + ".ptx")).write_text(ptx)
+    print(f"{'FAILED' if failed else 'passed'}: {failed} failures, {time.time() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
