@@ -492,11 +492,11 @@ def sparse_ffn(
         TILE_N=layout.tile_n, NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf,
     )
     if d > 0:
-        _dense_rows(whole, *weights, out, strides, flags, ovf, dense_scratch_rows)
+        _launch_whole_dense(whole, *weights, out, strides, flags, ovf, dense_scratch_rows)
     return (out, up_val) if return_up else out
 
 
-def _dense_rows(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, ovf, scratch_rows) -> None:
+def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, ovf, scratch_rows) -> None:
     """``out`` of the rows flagged in ``whole``, from their list on the device (no host sync).
 
     The first ``r_cap`` list positions: ``h`` into an fp32 scratch (one ``[16, BH]`` tile per
