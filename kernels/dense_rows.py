@@ -28,6 +28,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Rows per dense tile: the smallest tl.dot M dimension on tensor cores.
 BR = 16
+# Scratch budget of each launcher's dense rows (fp32 values of the first r_cap list positions);
+# rows past it take that launcher's blocked kernels.
+SCRATCH_BYTES = 32 << 20
 
 
 def jit_helper(fn):

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import BR, INTERPRET, dense_list, dot, dot_split, jit_helper, rowmajor, scratch_product, split_count
+from .dense_rows import BR, INTERPRET, SCRATCH_BYTES, dense_list, dot, dot_split, jit_helper, rowmajor, scratch_product, split_count
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
 from .reference import _finite, _may_overflow
@@ -78,10 +78,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # kernel, whose cost per row (gate/up recomputed D/BD times, on tensor cores) is about that of six
 # such tiles when its row block is full of dense rows. An estimate from bytes and FLOPs, not a sweep.
 TILE_RECOMPUTE_MAX = 4
-
-# Whole-dense rows: h of the first r_cap list positions goes to an fp32 scratch [r_cap, H], and
-# their split products to [splits, r_cap, D]; both within this budget (288 rows at D=2048, H=5632).
-_DENSE_SCRATCH_BYTES = 32 << 20
 
 # Scratch path tiles (BH, BK, BD, warps): the backward's, measured there on the H200 (16-row tiles
 # waste little on an isolated row). The interpreter needs tl.dot dims >= 16, and small ones are fast.
@@ -512,8 +508,9 @@ def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, 
     bd_blk = min(bd_blk, max(16, triton.next_power_of_2(d)))
     m_pad = triton.cdiv(m, BR) * BR
     if scratch_rows is None:
+        # h [r_cap, H] and the split products [splits, r_cap, D]: 288 rows at D=2048, H=5632.
         per_row = 4 * (h + split_count(h, bh) * d)
-        r_cap = max(BR, _DENSE_SCRATCH_BYTES // per_row // BR * BR)
+        r_cap = max(BR, SCRATCH_BYTES // per_row // BR * BR)
     else:
         r_cap = triton.cdiv(scratch_rows, BR) * BR
     r_cap = min(r_cap, m_pad)

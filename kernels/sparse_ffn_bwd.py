@@ -75,7 +75,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import BR, INTERPRET, dense_list, dot, jit_helper, rowmajor, scratch_product
+from .dense_rows import BR, INTERPRET, SCRATCH_BYTES, dense_list, dot, jit_helper, rowmajor, scratch_product
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
 
@@ -105,8 +105,6 @@ else:
 _RANK_TB = 64
 # Rank lookup by tl.gather (True) or by a [TB, slots, tile_n] one-hot (False; tests cover both).
 _RANK_USE_GATHER = True
-# Dense-row coefficient scratch budget (fp32 [3, r_cap, H]); rows past it are recomputed.
-_DENSE_SCRATCH_BYTES = 32 << 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -773,7 +771,9 @@ def sparse_ffn_backward(
     planes = 3 if gated else 2
     m_pad = triton.cdiv(m, BR) * BR
     if dense_scratch_rows is None:
-        r_cap = max(BR, _DENSE_SCRATCH_BYTES // (4 * planes * h) // BR * BR)
+        # The coefficients [planes, r_cap, H] only (496 rows at H=5632); the split products'
+        # partial sums come on top (45 MB at D=2048).
+        r_cap = max(BR, SCRATCH_BYTES // (4 * planes * h) // BR * BR)
     else:
         r_cap = triton.cdiv(dense_scratch_rows, BR) * BR
     r_cap = min(r_cap, m_pad)
