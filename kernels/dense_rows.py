@@ -1,7 +1,10 @@
-"""Dense rows of the sparse kernels: their list, and their fp32 coefficients times weights over H.
+"""Dense rows of the sparse kernels: which rows, their list, and their fp32 coefficients times
+weights over H.
 
 A few rows of a sparse batch are computed densely: rows with many overflowed tiles, rows of the
-finiteness guard. The forward (``sparse_ffn``) and the backward (``sparse_ffn_backward``) first
+finiteness guard. ``flag_rows`` finds the guard rows in one launch (row norms against bounds from
+the weights, ``guard_bounds``) and can add a call's counts to a telemetry buffer on the way;
+``dense_list`` lists the flagged rows on the device. The forward (``sparse_ffn``) and the backward (``sparse_ffn_backward``) first
 write those rows' per-neuron values (``h``; ``dgate`` and ``dup``) into an fp32 scratch
 ``[planes, r_cap, H]``, one ``[16, BH]`` tile per program. This module turns the scratch into rows
 of the output: ``dst[rows[i]] = Σ_planes coef[p, i, :] @ W_p (+ bias)``.
@@ -18,6 +21,7 @@ capturable. List positions past ``n_dense`` cost one early return per program.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -45,17 +49,133 @@ def rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+@triton.jit
+def _dense_list_kernel(flags_ptr, rows_ptr, ndense_ptr, M, BLOCK: tl.constexpr):
+    """One program: ``rows[0:n]`` = the rows with ``flags != 0`` in increasing order, ``ndense = n``.
+    ``BLOCK`` flags per step, ranked by a prefix sum on top of the running count."""
+    offs = tl.arange(0, BLOCK)
+    count = tl.program_id(0) * 0  # int32 running count
+    for start in range(0, M, BLOCK):
+        r = start + offs
+        f = (tl.load(flags_ptr + r, mask=r < M, other=0) != 0).to(tl.int32)
+        pos = count + tl.cumsum(f, axis=0) - f
+        tl.store(rows_ptr + pos, r, mask=f != 0)
+        count += tl.sum(f, axis=0)
+    tl.store(ndense_ptr, count)
+
+
 def dense_list(flags: torch.Tensor):
     """``(rows, n_dense)``: int32 ``[M]`` list of the flagged rows in increasing order (entries past
-    ``n_dense`` are unspecified) and int32 ``[1]`` count. Device ops, unique scatter targets."""
+    ``n_dense`` are unspecified) and int32 ``[1]`` count, from bool ``flags [M]``. One launch, no
+    host sync (it replaced six tensor ops whose launches cost more host time than their work)."""
     m = flags.shape[0]
-    dev = flags.device
-    csum = torch.cumsum(flags.to(torch.int32), 0, dtype=torch.int32)
-    ar = torch.arange(m, dtype=torch.int32, device=dev)
-    target = torch.where(flags, csum - 1, ar + m).long()  # the others go to a dump half
-    rows = torch.zeros(2 * m, dtype=torch.int32, device=dev)
-    rows.scatter_(0, target, ar)
-    return rows, csum[-1:]
+    rows = torch.empty(max(m, 1), dtype=torch.int32, device=flags.device)
+    n_dense = torch.empty(1, dtype=torch.int32, device=flags.device)
+    _dense_list_kernel[(1,)](flags.contiguous().view(torch.uint8), rows, n_dense, m,
+                             BLOCK=256 if INTERPRET else 4096, num_warps=8)
+    return rows, n_dense
+
+
+@jit_helper
+def _norm_exceeds(t_ptr, bound_ptr, rows, r_ok, D, stride, BR: tl.constexpr, BK: tl.constexpr):
+    """bool ``[BR]``: not ``‖t[row]‖·bound[0] + bound[1] < bound[2]`` (fp32 norm; NaN flags)."""
+    offs_k = tl.arange(0, BK)
+    sq = tl.full((BR,), 0.0, tl.float32)
+    for k0 in range(0, D, BK):
+        kk = k0 + offs_k
+        v = tl.load(t_ptr + rows[:, None] * stride + kk[None, :], mask=r_ok[:, None] & (kk < D)[None, :], other=0.0)
+        v = v.to(tl.float32)
+        sq += tl.sum(v * v, axis=1)
+    bound = tl.sqrt_rn(sq) * tl.load(bound_ptr) + tl.load(bound_ptr + 1)
+    return (bound < tl.load(bound_ptr + 2)) == 0
+
+
+@triton.jit
+def _flag_rows_kernel(
+    # pointers
+    a_ptr, a_bound_ptr, b_ptr, b_bound_ptr, count_ptr, flags_ptr, counters_ptr,
+    # dimensions, row strides (elements)
+    M, D, N_TILES, stride_a, stride_b,
+    # meta-parameters
+    HAS_B: tl.constexpr, HAS_COUNT: tl.constexpr, FLAG_OVERFLOW: tl.constexpr, COUNTERS: tl.constexpr,
+    SLOTS: tl.constexpr, NT_P2: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+):
+    """``flag_rows`` for rows ``BR·pid ...``: norm tests of ``a`` (and ``b``), overflowed tiles of
+    ``count``, and this block's share of the counters (two fp64 atomic adds per program)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    r_ok = r < M
+    rows = r.to(tl.int64)
+    flag = _norm_exceeds(a_ptr, a_bound_ptr, rows, r_ok, D, stride_a, BR, BK)
+    if HAS_B:
+        flag = flag | _norm_exceeds(b_ptr, b_bound_ptr, rows, r_ok, D, stride_b, BR, BK)
+    if HAS_COUNT:
+        tiles = tl.arange(0, NT_P2)
+        cnt = tl.load(count_ptr + rows[:, None] * N_TILES + tiles[None, :],
+                      mask=r_ok[:, None] & (tiles < N_TILES)[None, :], other=0)
+        dense = flag | (tl.max(cnt, axis=1) > SLOTS)
+        if COUNTERS:
+            tl.atomic_add(counters_ptr, tl.sum(tl.sum(cnt.to(tl.float64), axis=1), axis=0))
+            tl.atomic_add(counters_ptr + 1, tl.sum((dense & r_ok).to(tl.float64), axis=0))
+        if FLAG_OVERFLOW:
+            flag = dense
+    tl.store(flags_ptr + rows, flag.to(tl.uint8), mask=r_ok)
+
+
+def guard_bounds(wg, wu, wd, bg, bu, bd):
+    """``(forward, backward)`` fp32 ``[3]`` bounds for ``flag_rows``: the finiteness guard of
+    ``reference.dense_rows_ref`` on rows of x, and the ``dout`` terms of
+    ``reference.backward_dense_rows_ref`` on rows of dout.
+
+    Gated: ``‖x_t‖·max‖Wu_j‖ + max|bu|`` bounds the up projection and ``‖dout_t‖·max‖Wd[:, j]‖``
+    bounds ``dh``; both must stay below the dtype's largest value. Plain: scale 0, so only a
+    non-finite norm (NaN after ``·0``) flags. A non-finite weight or bias flags every forward row
+    (offset +Inf). Device ops, no host sync.
+    """
+    dev, f32 = wu.device, torch.float32
+    zero = torch.zeros((), dtype=f32, device=dev)
+    finite = torch.stack([torch.isfinite(t).all() for t in (wg, wu, wd, bg, bu, bd) if t is not None]).all()
+    offset = torch.where(finite, zero, float("inf"))
+    limit = torch.full((), torch.finfo(wu.dtype).max, dtype=f32, device=dev)
+    if wg is None:
+        return torch.stack([zero, offset, limit]), torch.stack([zero, zero, limit])
+    up_norm = torch.linalg.vector_norm(wu, dim=-1, dtype=f32).max()
+    if bu is not None:
+        offset = offset + bu.float().abs().max()
+    down_norm = torch.linalg.vector_norm(wd, dim=0, dtype=f32).max()  # columns of Wd
+    return torch.stack([up_norm, offset, limit]), torch.stack([down_norm, zero, limit])
+
+
+def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] = None,
+              b_bound: Optional[torch.Tensor] = None, count: Optional[torch.Tensor] = None, *, slots: int = 0,
+              flag_overflow: bool = False, counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bool ``[M]``: the rows to compute densely, in one launch (``reference.flag_rows_ref``).
+
+    A row is flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32 norm; NaN and
+    Inf flag), the same for ``b`` with ``b_bound``, and, with ``flag_overflow``, when one of its
+    ``count [M, n_tiles]`` entries exceeds ``slots``. ``counters`` (fp64 ``[2]``, with ``count``)
+    receives ``+= (Σ count, rows flagged or overflowed)``: the telemetry of a call, with no extra
+    launch. Bounds are fp32 ``[3]`` device tensors; no host sync.
+    """
+    if (b is None) != (b_bound is None):
+        raise ValueError("flag_rows: pass b and b_bound together")
+    m, d = a.shape
+    flags = torch.empty(m, dtype=torch.bool, device=a.device)
+    if m == 0:
+        return flags
+    a = rowmajor(a)
+    b = a if b is None else rowmajor(b)
+    n_tiles = 0 if count is None else count.shape[1]
+    cnt = a_bound if count is None else count.contiguous()
+    br = 16
+    _flag_rows_kernel[(triton.cdiv(m, br),)](
+        a, a_bound, b, a_bound if b_bound is None else b_bound, cnt, flags.view(torch.uint8),
+        a_bound if counters is None else counters, m, d, n_tiles, a.stride(0), b.stride(0),
+        HAS_B=b_bound is not None, HAS_COUNT=count is not None, FLAG_OVERFLOW=flag_overflow,
+        COUNTERS=counters is not None and count is not None, SLOTS=slots,
+        NT_P2=max(2, triton.next_power_of_2(n_tiles)), BR=br, BK=min(256, max(16, triton.next_power_of_2(d))),
+        num_warps=4,
+    )
+    return flags
 
 
 @jit_helper

@@ -149,6 +149,24 @@ def _may_overflow(rows: Tensor, weight_rows: Tensor, bias: Optional[Tensor], dty
     return ~(bound < torch.finfo(dtype).max)  # NaN bound → True
 
 
+def flag_rows_ref(a, a_bound, b=None, b_bound=None, count=None, slots: int = 0, flag_overflow: bool = False):
+    """``dense_rows.flag_rows``: ``(flags, (Σ count, rows flagged or overflowed))``. A row is
+    flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32), the same for ``b``, and
+    with ``flag_overflow`` when a tile of ``count`` overflows ``slots``."""
+
+    def exceeds(t, bound):
+        norm = torch.linalg.vector_norm(t.float(), dim=-1)
+        return ~(norm * bound[0].float() + bound[1].float() < bound[2].float())
+
+    flags = exceeds(a, a_bound)
+    if b is not None:
+        flags |= exceeds(b, b_bound)
+    if count is None:
+        return flags, None
+    dense = flags | (count > slots).any(-1)
+    return (dense if flag_overflow else flags), (count.double().sum(), dense.double().sum())
+
+
 def dense_rows_ref(x, wg, wu, wd, bg, bu, bd, packed: TwellPacked) -> Tensor:
     """bool [M]: forward rows that take the dense path (overflow, or the finiteness guard)."""
     rows = packed.overflow_rows() | ~torch.isfinite(x).all(-1)

@@ -144,7 +144,9 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     """Returns ``(ForwardResult, sparse: bool)`` and records the layer's counters.
 
     On the dense path the result's ``packed``/``up_val`` are None for inference and ``dense_rows``
-    is None; the telemetry then counts the rows that would have overflowed (an estimate).
+    is None; the telemetry then counts the rows that would have overflowed (an estimate). On the
+    sparse path ``dense_rows`` is computed only on the calls that measure L1 (None otherwise): the
+    telemetry's counts come from the guard kernel.
     """
     policy = _policy(layer, x2d.device)
     if FORCE_PATH is None:
@@ -155,15 +157,19 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     want_l1 = training and policy.calls % L1_EVERY == 0
     saved = None
     if sparse:
-        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1)
-        active, dense_rows = res.packed.count.sum(), res.dense_rows.sum()
+        # The guard kernel adds this call's counts straight into the layer's telemetry.
+        counters = telemetry.counters(layer, x2d.device)
+        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, counters)
     else:
         measure = want_l1 or policy.calls % COUNT_EVERY == 0 or policy.last_sparse
         res, active, dense_rows, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, measure)
     if training:
         _remember(res.packed.count, not sparse, saved)
-    buf = telemetry.record(layer, tokens=x2d.shape[0], active=active, dense_rows=dense_rows, l1=res.l1, sparse=sparse,
-                           device=x2d.device)
+    if sparse:
+        buf = telemetry.record_counted(layer, tokens=x2d.shape[0], l1=res.l1, sparse=True, device=x2d.device)
+    else:
+        buf = telemetry.record(layer, tokens=x2d.shape[0], active=active, dense_rows=dense_rows, l1=res.l1,
+                               sparse=False, device=x2d.device)
     policy.after(buf, wu.shape[0], sparse)
     return res, sparse
 
@@ -258,21 +264,25 @@ class _DownRows:
         return rows
 
 
-def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool) -> reference.ForwardResult:
+def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
+                    counters: Optional[torch.Tensor] = None) -> reference.ForwardResult:
+    """The sparse path. ``counters`` (telemetry's fp64 ``[2]``) receives the active entries and
+    the rows computed densely. ``dense_rows`` of the result is computed only with ``want_l1``
+    (the L1 value needs it); it is None otherwise."""
     from twell_compile.kernels.gate_pack import gate_pack
     from twell_compile.kernels.sparse_ffn import sparse_ffn
 
     gated = wg is not None
     packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
-    guard = _guard_rows(x2d, wg, wu, wd, bg, bu, bd)
+    guard = _guard_rows(x2d, wg, wu, wd, bg, bu, bd, packed.count, counters)
     wd_rows = _DownRows.get(wd)
     if training:  # the backward needs the up values at the stored pairs
         out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, dense_rows=guard, wg=wg, bg=bg, return_up=True)
     else:
         out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, dense_rows=guard, wg=wg, bg=bg), None
-    dense_rows = packed.overflow_rows() | guard
-    l1 = None
+    dense_rows = l1 = None
     if want_l1:
+        dense_rows = packed.overflow_rows() | guard
         stored = packed.stored_mask() & ~dense_rows.view(-1, 1, 1)
         h = torch.relu(packed.val) * up_val if gated else torch.relu(packed.val)
         l1 = torch.where(stored, h.abs(), 0.0).sum() / max(1, x2d.shape[0])  # sparse rows only
@@ -343,7 +353,8 @@ def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> re
 
 
 class _WeightFacts:
-    """Per-call facts about the weights, cached while the weights are unchanged.
+    """Per-call facts about the weights, cached while the weights are unchanged: the guard's
+    bounds for ``dense_rows.flag_rows`` (``dense_rows.guard_bounds``).
 
     The key holds each tensor's ``_state_key`` (storage pointer and in-place version counter), so an
     optimizer step invalidates it. Under CUDA-graph capture nothing is cached: the facts
@@ -354,6 +365,8 @@ class _WeightFacts:
 
     @classmethod
     def get(cls, wg, wu, wd, bg, bu, bd):
+        from twell_compile.kernels.dense_rows import guard_bounds
+
         tensors = (wg, wu, wd, bg, bu, bd)
         states = [None if t is None else _state_key(t) for t in tensors]
         uncachable = any(t is not None and k is None for t, k in zip(tensors, states))
@@ -361,11 +374,7 @@ class _WeightFacts:
         capturing = key is None or _capturing()
         if not capturing and key in cls._cache:
             return cls._cache[key]
-        finite = torch.stack([torch.isfinite(t).all() for t in tensors if t is not None]).all()
-        up_norm = torch.linalg.vector_norm(wu, dim=-1, dtype=torch.float32).max()
-        up_bias = bu.float().abs().max() if bu is not None else torch.zeros((), device=wu.device)
-        down_norm = torch.linalg.vector_norm(wd, dim=0, dtype=torch.float32).max()  # columns of Wd
-        facts = (finite, up_norm, up_bias, down_norm)
+        facts = guard_bounds(wg, wu, wd, bg, bu, bd)
         if not capturing:
             cls._cache[key] = facts
             while len(cls._cache) > 256:
@@ -373,30 +382,26 @@ class _WeightFacts:
         return facts
 
 
-def _limit(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).max
+def _guard_rows(x, wg, wu, wd, bg, bu, bd, count=None, counters=None) -> torch.Tensor:
+    """bool [M]: rows the forward computes densely besides overflowed tiles, in one kernel that
+    reads x once (``dense_rows.flag_rows``).
 
-
-def _guard_rows(x, wg, wu, wd, bg, bu, bd) -> torch.Tensor:
-    """bool [M]: rows the forward computes densely besides overflowed tiles.
-
-    One fused reduction reads x once: a non-finite row has a non-finite norm, and for gated FFNs
-    ``‖x_t‖·max‖Wu_j‖ + max|bu|`` bounds the up projection (a huge finite row is flagged too,
-    which only costs speed).
+    A non-finite row has a non-finite norm, and for gated FFNs ``‖x_t‖·max‖Wu_j‖ + max|bu|``
+    bounds the up projection (a huge finite row is flagged too, which only costs speed). With
+    ``count`` (the TwELL counts), the kernel also adds the call's active entries and dense rows
+    (guard or overflow) to ``counters``.
     """
-    finite, up_norm, up_bias, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd)
-    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-    if wg is not None:
-        bad = ~(norms * up_norm + up_bias < _limit(x.dtype))  # NaN → flagged
-    else:
-        bad = ~torch.isfinite(norms)
-    return bad | ~finite
+    from twell_compile.kernels.dense_rows import flag_rows
+
+    forward_bound, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd)
+    return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, counters=counters)
 
 
 def _backward_guard_rows(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked) -> torch.Tensor:
     """bool [M]: backward dense rows: the forward's (recomputed), overflowed rows, and rows of
-    ``dout`` that are non-finite or, gated, whose ``dh = dout·Wd`` may overflow."""
-    _, _, _, down_norm = _WeightFacts.get(wg, wu, wd, bg, bu, bd)
-    norms = torch.linalg.vector_norm(dout, dim=-1, dtype=torch.float32)
-    bad = ~(norms * down_norm < _limit(dout.dtype)) if wg is not None else ~torch.isfinite(norms)
-    return bad | _guard_rows(x, wg, wu, wd, bg, bu, bd) | packed.overflow_rows()
+    ``dout`` that are non-finite or, gated, whose ``dh = dout·Wd`` may overflow. One kernel."""
+    from twell_compile.kernels.dense_rows import flag_rows
+
+    forward_bound, backward_bound = _WeightFacts.get(wg, wu, wd, bg, bu, bd)
+    return flag_rows(x, forward_bound, dout, backward_bound, packed.count, slots=DEFAULT_LAYOUT.slots,
+                     flag_overflow=True)

@@ -67,6 +67,27 @@ def record(layer: int, tokens: int, active: Optional[torch.Tensor], dense_rows: 
     return buf
 
 
+def counters(layer: int, device) -> torch.Tensor:
+    """The layer's ``active`` and ``dense_rows`` fields, zeroed, as a float64 ``[2]`` view: a
+    kernel adds this call's counts into it (``dense_rows.flag_rows``), then ``record_counted``
+    stores the rest of the call."""
+    view = _buffer(layer, torch.device(device))[_ACTIVE:_DENSE_ROWS + 1]
+    view.zero_()
+    return view
+
+
+def record_counted(layer: int, tokens: int, l1: Optional[torch.Tensor], sparse: bool, device) -> torch.Tensor:
+    """``record`` for a call whose counts a kernel already added to ``counters(layer, device)``:
+    three small writes instead of building every field."""
+    buf = _buffer(layer, torch.device(device))
+    buf[_CALLS] += 1
+    buf[_TOKENS].fill_(float(tokens))  # fill_, not item assignment: that copies from the host and syncs
+    buf[_SPARSE].fill_(1.0 if sparse else 0.0)
+    if l1 is not None:
+        buf[_L1].copy_(l1.detach())
+    return buf
+
+
 def snapshot() -> dict[int, dict[str, float]]:
     """Read every layer's last counters (synchronises with the device)."""
     out: dict[int, dict[str, float]] = {}

@@ -152,6 +152,14 @@ def variants(arch: str, full: bool):
                     dict(TWO=two, SPLIT=split, NATIVE=True, BR=DR.BR, BH=bh, BD=bd), num_warps=warps))
         yield f"split_sum {tag}", (lambda dtype=dtype, bd=bd: compile_kernel(
             DR._split_sum_kernel, target, dtype, dict(HAS_BIAS=True, BR=DR.BR, BD=bd)))
+        yield "dense_list", (lambda: compile_kernel(DR._dense_list_kernel, target, torch.float32,
+                                                    {"BLOCK": 4096}, {"flags_ptr": "*u8"}, num_warps=8))
+        for backward in (False, True):  # the forward guard with counters; the backward's with dout
+            yield f"flag_rows {tag} backward={backward}", (lambda dtype=dtype, backward=backward: compile_kernel(
+                DR._flag_rows_kernel, target, dtype,
+                dict(HAS_B=backward, HAS_COUNT=True, FLAG_OVERFLOW=backward, COUNTERS=not backward, SLOTS=SLOTS,
+                     NT_P2=NT_P2, BR=16, BK=256),
+                {"a_bound_ptr": "*fp32", "b_bound_ptr": "*fp32", "flags_ptr": "*u8", "counters_ptr": "*fp64"}))
 
         # Backward.
         for place in (False, True):

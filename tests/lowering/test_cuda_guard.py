@@ -1,4 +1,4 @@
-"""The CUDA path's finiteness guard (``lowering/cuda_impl.py``) is plain torch code: check it on CPU.
+"""The CUDA path's finiteness guard (``lowering/cuda_impl.py``): its kernel runs under the interpreter on CPU.
 
 It must flag at least every row the reference guard flags (a superset only costs speed), and
 its weight facts must be recomputed when a weight changes in place.

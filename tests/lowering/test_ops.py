@@ -344,3 +344,45 @@ def test_double_backward_is_refused():
     (dx,) = torch.autograd.grad(out.sum(), args[0], create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         dx.sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_gpu_sparse_path_counts_every_active_entry_and_dense_row(gated):
+    """The CUDA sparse path's counters come from its guard kernel (``dense_rows.flag_rows``): they
+    must equal the exact counts of the packed buffer, with no host sync on a later call."""
+    from twell_compile.kernels.format import DEFAULT_LAYOUT
+    from twell_compile.lowering import cuda_impl
+
+    cpu = make_args(gated, True, torch.bfloat16, (700,), d=64, h=600, seed=4)
+    x, wg, wu, wd, bg, bu, bd = (None if t is None else t.cuda() for t in cpu)
+    if gated:
+        bg = bg - 1.0  # sparser gate: some rows overflow a tile, most do not
+    else:
+        bu = bu - 1.0
+    x[9] = float("nan")  # a guard row
+    args = (x, wg, wu, wd, bg, bu, bd)
+    layer = 912 + gated  # a fresh layer: its first training call measures L1
+    cuda_impl.FORCE_PATH = "sparse"
+    try:
+        out, _, _, count, _ = ops.ffn_train(*args, torch.tensor(0.1, device="cuda"), 1, layer)
+        torch.cuda.synchronize()
+        snap = telemetry.snapshot()[layer]
+        overflow = (count > DEFAULT_LAYOUT.slots).any(-1)
+        assert 0 < int(overflow.sum()) < 700
+        guard = cuda_impl._guard_rows(x, wg, wu, wd, bg, bu, bd)
+        assert bool(guard[9]) and snap["sparse"] == 1.0 and snap["tokens"] == 700
+        assert snap["active"] == int(count.sum())
+        assert snap["dense_rows"] == int((overflow | guard).sum())
+        assert snap["l1"] == snap["l1"], "the first training call measures L1"
+
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            ops.ffn(*args, layer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        again = telemetry.snapshot()[layer]
+        assert again["calls"] == 2 and again["active"] == snap["active"] and again["dense_rows"] == snap["dense_rows"]
+        assert again["l1"] == snap["l1"], "inference keeps the last L1"
+    finally:
+        cuda_impl.FORCE_PATH = None
