@@ -21,10 +21,12 @@ whole backward can be captured in a CUDA graph.
 Kernels, in launch order:
 
 1. ``_rank_kernel`` (twice): the neuron-major ("transposed") list of the stored pairs, built on the
-   device as a stable counting sort by neuron. A program owns ``TB`` tokens × one TwELL tile; it
-   turns the tile's slots into a ``[TB, tile_n]`` bitmap (through 32-bit words, not a one-hot),
-   whose column sums are the block's per-neuron counts (pass 1) and whose exclusive prefix sums
-   down the tokens are each pair's rank inside its neuron (pass 2). Between the passes one
+   device as a stable counting sort by neuron. A program owns ``TB`` tokens × one TwELL tile.
+   Pass 1 counts the block's pairs per neuron with one integer atomic per pair (exact in any
+   order; it replaced the column sums of pass 2's bitmap: the whole sort went from 0.49 to
+   0.40 ms on the H200 at 0.5% density). Pass 2 turns the tile's slots into a ``[TB, tile_n]``
+   bitmap (through 32-bit words, not a one-hot), whose exclusive prefix sums down the tokens are
+   each pair's rank inside its neuron, so the list order is fixed. Between the passes one
    ``torch.cumsum`` over ``[H, M / TB]`` counts gives every (neuron, token block) its start. The
    list holds slot numbers ``(t · n_tiles + tile) · slots + s``; its capacity ``M · n_tiles · slots``
    is every slot, so it cannot overflow; pairs of a neuron are in token order.
@@ -159,8 +161,9 @@ def _rank_kernel(
     """Count (``PLACE`` false) or place (``PLACE`` true) the stored pairs of ``TB`` tokens × tile.
 
     idx ``[M, N_TILES, SLOTS]``, count ``[M, N_TILES]``, dense uint8 ``[M]``. A stored pair is slot
-    ``s < min(count, SLOTS)`` of a row with ``dense == 0``. Counting writes, for each column ``c`` of
-    the tile, ``counts[tile·TILE_N + c, b]`` (int32 ``[N_TILES·TILE_N, NB]``). Placing reads
+    ``s < min(count, SLOTS)`` of a row with ``dense == 0``. Counting adds, for each column ``c`` of
+    the tile, the block's pairs to ``counts[tile·TILE_N + c, b]`` (int32 ``[N_TILES·TILE_N, NB]``,
+    zeroed by the caller; integer atomics, so the counts do not depend on their order). Placing reads
     ``starts`` (int64, same shape: where neuron ``c``'s pairs of block ``b`` begin in the list) and
     stores each pair's slot number at ``starts + (pairs of that neuron in earlier tokens of the
     block)``. Columns of a tile row are distinct (the format), so a bitmap holds them exactly.
@@ -178,29 +181,28 @@ def _rank_kernel(
     slot = (rows64[:, None] * N_TILES + tau) * SLOTS + s[None, :]
     col = tl.load(idx_ptr + slot, mask=valid, other=0)
     loc = tl.minimum(tl.maximum(col - tau * TILE_N, 0), TILE_N - 1)  # in the tile (clamped for safety)
-
-    # Bitmap [TB, TILE_N] of the block's pairs, through NW words of WB bits per token.
-    WB: tl.constexpr = 32 if TILE_N >= 32 else TILE_N
-    NW: tl.constexpr = TILE_N // WB
-    words_i = tl.arange(0, NW)
-    bit = tl.full((TB, SLOTS_P2), 1, tl.uint32) << (loc % WB).to(tl.uint32)
-    hit = valid[:, :, None] & ((loc // WB)[:, :, None] == words_i[None, None, :])
-    words = _sum(tl.where(hit, bit[:, :, None], 0), axis=1)  # [TB, NW]: distinct bits, so sum = or
-    shifts = tl.arange(0, WB).to(tl.uint32)
-    bits = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 1, (TB, TILE_N)).to(tl.int32)
-    cols = tl.arange(0, TILE_N)
-    if PLACE:
+    neuron = (tau * TILE_N + loc).to(tl.int64)
+    if not PLACE:
+        # One integer atomic per pair into the zeroed counts: exact whatever the order.
+        tl.atomic_add(counts_ptr + neuron * NB + b, tl.full((TB, SLOTS_P2), 1, tl.int32), mask=valid, sem="relaxed")
+    else:
+        # Bitmap [TB, TILE_N] of the block's pairs, through NW words of WB bits per token.
+        WB: tl.constexpr = 32 if TILE_N >= 32 else TILE_N
+        NW: tl.constexpr = TILE_N // WB
+        words_i = tl.arange(0, NW)
+        bit = tl.full((TB, SLOTS_P2), 1, tl.uint32) << (loc % WB).to(tl.uint32)
+        hit = valid[:, :, None] & ((loc // WB)[:, :, None] == words_i[None, None, :])
+        words = _sum(tl.where(hit, bit[:, :, None], 0), axis=1)  # [TB, NW]: distinct bits, so sum = or
+        shifts = tl.arange(0, WB).to(tl.uint32)
+        bits = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 1, (TB, TILE_N)).to(tl.int32)
+        cols = tl.arange(0, TILE_N)
         rank = _cumsum(bits, axis=0) - bits  # pairs of the same neuron in earlier tokens
         if USE_GATHER:
             r = tl.gather(rank, loc, axis=1)
         else:
             r = _sum(tl.where(loc[:, :, None] == cols[None, None, :], rank[:, None, :], 0), axis=2)
-        neuron = (tau * TILE_N + loc).to(tl.int64)
         start = tl.load(starts_ptr + neuron * NB + b, mask=valid, other=0)
         tl.store(list_ptr + start + r, slot.to(list_ptr.dtype.element_ty), mask=valid)
-    else:
-        per_col = _sum(bits, axis=0)
-        tl.store(counts_ptr + (tau * TILE_N + cols).to(tl.int64) * NB + b, per_col)
 
 
 def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, layout: TwellLayout = DEFAULT_LAYOUT):
@@ -226,7 +228,7 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
         return torch.zeros(hidden + 1, dtype=torch.int64, device=dev), lists
     idx, count = idx.contiguous(), count.contiguous()
     dense_u8 = dense_rows.contiguous().view(torch.uint8)
-    counts = torch.empty(h_pad, nb, dtype=torch.int32, device=dev)
+    counts = torch.zeros(h_pad, nb, dtype=torch.int32, device=dev)  # the counting pass adds into it
     meta = dict(SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), TILE_N=tile_n, TB=_RANK_TB,
                 USE_GATHER=_RANK_USE_GATHER, num_warps=4)
     grid = (nb, n_tiles)
