@@ -33,12 +33,13 @@ from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellPacked, is_active
 from . import telemetry
 
 # Below these fractions of active gate units the sparse path is taken: the crossovers measured on
-# the H200 (bf16, D=2048, H=5632, M=16384, docs/benchmarks.md). Inference: sparse 1.20x of cuBLAS
-# at 0.3%, 1.03x at 0.5%, 0.78x at 1%, against 0.96x for the dense path. Training (against the
-# dense path, 1.01-1.05x of dense autograd): sparse 1.37x at 0.3%, 1.07x at 0.5%, 0.69x at 1%.
+# the H200 (bf16, D=2048, H=5632, M=16384, docs/benchmarks.md, session 6). Inference: sparse 1.37x
+# of cuBLAS at 0.3%, 1.16x at 0.5%, 0.81x at 1%, against 0.97-1.00x for the dense path. Training
+# (dense path 1.00-1.02x of dense autograd): sparse 1.63x at 0.3%, 1.28x at 0.5%, 0.82x at 1%.
+# Interpolated, both cross near 0.7%; 0.6% leaves a margin for real models' skew and heavy rows.
 SPARSE_MAX_DENSITY = {"inference": 0.006, "training": 0.006}
 # Below this many tokens per call the sparse path is bound by its host time (~1.0 ms per call on
-# the H200's host: op dispatch, three Triton launches, guard and telemetry ops), which dense cuBLAS
+# the H200's host in session 4: op dispatch, Triton launches, guard and telemetry ops), which dense cuBLAS
 # at D=2048, H=5632 undercuts below ~9.4k tokens (M=4096: sparse 1.40 ms, dense 0.44 ms).
 SPARSE_MIN_TOKENS = 12288
 # Above this fraction of rows computed densely (overflow, guard) the dense path is faster.
