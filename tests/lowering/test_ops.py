@@ -386,3 +386,17 @@ def test_gpu_sparse_path_counts_every_active_entry_and_dense_row(gated):
         assert again["l1"] == snap["l1"], "inference keeps the last L1"
     finally:
         cuda_impl.FORCE_PATH = None
+
+
+def test_counted_record_keeps_what_a_kernel_added():
+    """``telemetry.counters`` zeroes the active/dense fields for a kernel to add into;
+    ``record_counted`` then stores the rest of the call and keeps the last L1 when given none."""
+    view = telemetry.counters(21, "cpu")
+    view += torch.tensor([123.0, 4.0], dtype=torch.float64)  # what flag_rows' atomics would add
+    telemetry.record_counted(21, tokens=50, l1=torch.tensor(0.25), sparse=True, device="cpu")
+    view = telemetry.counters(21, "cpu")
+    assert view.tolist() == [0.0, 0.0], "a new call starts from zero"
+    view += torch.tensor([7.0, 1.0], dtype=torch.float64)
+    telemetry.record_counted(21, tokens=60, l1=None, sparse=True, device="cpu")
+    snap = telemetry.snapshot()[21]
+    assert snap == {"calls": 2.0, "tokens": 60.0, "active": 7.0, "dense_rows": 1.0, "l1": 0.25, "sparse": 1.0}
