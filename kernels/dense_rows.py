@@ -44,6 +44,26 @@ def jit_helper(fn):
     return fn if INTERPRET else triton.jit(fn)
 
 
+if INTERPRET:
+    # tl.sum and tl.cumsum are jit functions too: call the reduction they wrap directly. (Kernels
+    # use tl.full, a builtin, rather than the jit tl.zeros for the same reason.)
+    def reduce_sum(x, axis):
+        return tl.reduce(x, axis, tl.standard._sum_combine)
+
+    def prefix_sum(x, axis):
+        return tl.associative_scan(x, axis, tl.standard._sum_combine)
+
+else:
+
+    @triton.jit
+    def reduce_sum(x, axis: tl.constexpr):
+        return tl.sum(x, axis=axis)
+
+    @triton.jit
+    def prefix_sum(x, axis: tl.constexpr):
+        return tl.cumsum(x, axis=axis)
+
+
 def rowmajor(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a contiguous last dimension (a copy only when it is not)."""
     return t if t.stride(-1) == 1 else t.contiguous()

@@ -45,11 +45,16 @@ Bytes, 16-bit weights (``e = 2``), ``a`` stored pairs per token:
   D=2048, H=5632 fit the H200's 60 MB L2; they are loaded with ``evict_last``);
 * written per token: ``D·e_out`` (+ ``n_tiles·slots·4`` with ``return_up``).
 
-Measured speed (H200, bf16, M=16384, D=2048, H=5632, uniform random neurons): 0.65 ms at 28
-active neurons per token (0.5%), 1.21 ms at 56, 2.24 ms at 114. The naive one-token-per-program
-kernel of DESIGN.md section 10 (same 8 KiB per pair, from L2 at ~9 TB/s) took 0.42, 0.82 and
-1.64 ms; this kernel is 1.4-1.6x that floor. With uniformly random neurons no layout reduces the
-bytes; tokens per program only help when neighbouring tokens share neurons.
+The loop loads chunk ``k + 1``'s ``idx``/``val`` while chunk ``k``'s weight rows are gathered, so
+the dependent round trip (pair -> weight row) is paid once per token, not once per chunk.
+
+Measured speed (H200, bf16, M=16384, D=2048, H=5632, uniform random neurons), before that
+prefetch: 0.65 ms at 28 active neurons per token (0.5%), 1.21 ms at 56, 2.24 ms at 114. The naive
+one-token-per-program kernel of DESIGN.md section 10 (same 8 KiB per pair, from L2 at ~9 TB/s)
+took 0.42, 0.82 and 1.64 ms. With the prefetch, the training variant (``return_up``) went from
+0.80 to 0.66 ms at 0.5% and from 1.41 to 1.16 ms at 1% in the same process. With uniformly
+random neurons no layout reduces the bytes; tokens per program only help when neighbouring
+tokens share neurons.
 
 ``Wd`` is ``[D, H]`` (``nn.Linear``); its columns are rows of ``Wdᵀ``, so the launcher makes
 ``wd.t().contiguous()`` ([H, D]) on every call: ``2·H·D·e`` bytes of copy traffic (46 MB, 75 µs on
@@ -66,7 +71,8 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import BR, INTERPRET, SCRATCH_BYTES, dense_list, dot, dot_split, jit_helper, rowmajor, scratch_product, split_count
+from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, dense_list, dot, dot_split, jit_helper, reduce_sum, rowmajor,
+                         scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
 from .reference import _finite, _may_overflow
@@ -114,6 +120,18 @@ def _prune_sparse(configs, nargs, **kwargs):
     if keep:
         return keep
     return [triton.Config({"CH": max(1, 64 * 32 * 16 // block_d), "TOKENS": 1}, num_warps=16, num_stages=1)]
+
+
+@jit_helper
+def pair_slots(k0, offs_c, total, incl, excl, tiles, slot0, SLOTS: tl.constexpr):
+    """``(ok, slot)`` of pairs ``k0 + offs_c`` of a row's compact pair list: pair ``k`` lies in
+    the tile whose inclusive prefix of stored counts ``incl`` first exceeds ``k``, at slot
+    ``k - excl[tile]`` of it (a ``[CH, n_tiles]`` compare-and-count); ``slot0`` is the row's first
+    slot. Pairs at or past ``total`` are not ``ok``."""
+    k = k0 + offs_c
+    tile_k = reduce_sum((incl[None, :] <= k[:, None]).to(tl.int32), axis=1)
+    first = reduce_sum(tl.where(tiles[None, :] == tile_k[:, None], excl[None, :], 0), axis=1)
+    return k < total, slot0 + (tile_k * SLOTS + k - first).to(tl.int64)
 
 
 # STORE_UP is in the key: training (which stores up values) and inference tune separately. With
@@ -170,21 +188,16 @@ def _sparse_ffn_kernel(
             if sparse_row:
                 x_row = tl.load(x_ptr + t64 * stride_xm + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-                # Pairs are numbered 0..total-1 in (tile, slot) order. Pair k lies in the tile
-                # whose exclusive prefix of stored counts is the last one <= k: a compare-and-count
-                # over the row's N_TILES counts, then one gather of its idx and val.
+                # Pairs are numbered 0..total-1 in (tile, slot) order (pair_slots).
                 incl = tl.cumsum(stored, axis=0)
                 excl = incl - stored
                 total = tl.sum(stored, axis=0)
+                # The first chunk's pairs; each iteration then loads the next chunk's, so those
+                # loads are in flight while this chunk's weight rows are gathered.
+                k_ok, slot = pair_slots(0, offs_c, total, incl, excl, tiles, slot0, SLOTS)
+                j = tl.load(idx_ptr + slot, mask=k_ok, other=0).to(tl.int64)
+                g = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
                 for k0 in range(0, total, CH):
-                    k = k0 + offs_c
-                    k_ok = k < total
-                    tile_k = tl.sum((incl[None, :] <= k[:, None]).to(tl.int32), axis=1)  # [CH]
-                    first = tl.sum(tl.where(tiles[None, :] == tile_k[:, None], excl[None, :], 0), axis=1)
-                    slot = slot0 + tile_k * SLOTS + (k - first)
-                    j = tl.load(idx_ptr + slot, mask=k_ok, other=0).to(tl.int64)
-                    g = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
-                    act = tl.where(g <= 0.0, 0.0, g)  # relu that keeps NaN, as torch.relu does
                     w_mask = k_ok[:, None] & d_ok[None, :]
                     # Both weight gathers are issued before the up reduction (a CTA barrier), so
                     # their L2 round trips overlap. Weights stay in L2 (46 MB fit the H200's 60 MB).
@@ -193,6 +206,11 @@ def _sparse_ffn_kernel(
                     if GATED:
                         wu = tl.load(wu_ptr + j[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0,
                                      eviction_policy="evict_last")
+                    next_ok, next_slot = pair_slots(k0 + CH, offs_c, total, incl, excl, tiles, slot0, SLOTS)
+                    next_j = tl.load(idx_ptr + next_slot, mask=next_ok, other=0).to(tl.int64)
+                    next_g = tl.load(val_ptr + next_slot, mask=next_ok, other=0.0)
+                    act = tl.where(g <= 0.0, 0.0, g)  # relu that keeps NaN, as torch.relu does
+                    if GATED:
                         up = tl.sum(wu.to(tl.float32) * x_row[None, :], axis=1)
                         if HAS_BU:
                             up += tl.load(bu_ptr + j, mask=k_ok, other=0.0).to(tl.float32)
@@ -207,6 +225,7 @@ def _sparse_ffn_kernel(
                         hv = act
                     hv = tl.where(k_ok, hv, 0.0)
                     acc += tl.sum(hv[:, None] * wd.to(tl.float32), axis=0)
+                    k_ok, slot, j, g = next_ok, next_slot, next_j, next_g
 
                 # Overflowed tiles (at most TILE_MAX): every column of the tile, recomputed from x.
                 if n_over > 0:

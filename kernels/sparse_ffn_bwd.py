@@ -34,6 +34,9 @@ Kernels, in launch order:
    the ``dout`` row and the ``dx`` accumulator in registers. It walks the row's stored pairs as one
    compact list, ``CH`` at a time (a prefix sum over the row's tile counts, then a ``[CH, n_tiles]``
    search), loads the ``Wdᵀ``, ``Wg`` and ``Wu`` rows of those neurons, and writes ``dh`` per slot.
+   The next chunk's pairs are loaded while this chunk's rows are gathered (as in ``sparse_ffn``);
+   ``_wgrad_kernel`` does the same with its slot list. Together: the backward went from 2.70 to
+   2.48 ms at 0.5% density and from 4.76 to 4.35 ms at 1% on the H200, in the same process.
 3. ``_dense_coef_kernel``: ``dgate``, ``dup`` and ``h`` of the first ``r_cap`` dense rows over all
    H, as ``[16, BH]`` tiles from ``tl.dot`` over D, into an fp32 scratch ``[3, r_cap, H]``
    (``r_cap`` from a 32 MiB budget: 496 rows at H = 5632).
@@ -78,30 +81,14 @@ import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
 from .dense_rows import BR, INTERPRET, SCRATCH_BYTES, dense_list, dot, jit_helper, rowmajor, scratch_product
+from .dense_rows import prefix_sum as _cumsum
+from .dense_rows import reduce_sum as _sum
+from .sparse_ffn import pair_slots
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-
-if INTERPRET:
-    # tl.sum and tl.cumsum are jit functions too: call the reduction they wrap directly. (The
-    # kernels use tl.full, a builtin, rather than the jit tl.zeros for the same reason.)
-    def _sum(x, axis):
-        return tl.reduce(x, axis, tl.standard._sum_combine)
-
-    def _cumsum(x, axis):
-        return tl.associative_scan(x, axis, tl.standard._sum_combine)
-
-else:
-
-    @triton.jit
-    def _sum(x, axis: tl.constexpr):
-        return tl.sum(x, axis=axis)
-
-    @triton.jit
-    def _cumsum(x, axis: tl.constexpr):
-        return tl.cumsum(x, axis=axis)
 
 # Tokens per program of the counting sort: the counts and their prefix sum are [H, M / TB].
 _RANK_TB = 64
@@ -306,16 +293,12 @@ def _tokens_kernel(
                 g_row = tl.load(dout_ptr + t64 * stride_gm + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 acc = tl.full((BLOCK_D,), 0.0, tl.float32)
                 slot0 = t64 * N_TILES * SLOTS
+                # The row's compact pair list, CH pairs at a time (sparse_ffn.pair_slots); each
+                # iteration loads the next chunk's pairs while this chunk's weight rows arrive.
+                k_ok, slot = pair_slots(0, offs_c, total, incl, excl, tiles, slot0, SLOTS)
+                j = tl.load(idx_ptr + slot, mask=k_ok, other=0).to(tl.int64)
+                pre = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
                 for k0 in range(0, total, CH):
-                    # Pair k of the row's compact list is slot k - excl[tile] of the tile whose
-                    # inclusive prefix first exceeds k.
-                    k = k0 + offs_c
-                    k_ok = k < total
-                    tau = _sum((incl[None, :] <= k[:, None]).to(tl.int32), axis=1)
-                    base = _sum(tl.where(tiles[None, :] == tau[:, None], excl[None, :], 0), axis=1)
-                    slot = slot0 + (tau * SLOTS + k - base).to(tl.int64)
-                    j = tl.load(idx_ptr + slot, mask=k_ok, other=0).to(tl.int64)
-                    pre = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
                     w_mask = k_ok[:, None] & d_ok[None, :]
                     wdt = tl.load(wdt_ptr + j[:, None] * stride_wdt + offs_d[None, :], mask=w_mask, other=0.0)
                     wu = tl.load(wu_ptr + j[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
@@ -325,6 +308,9 @@ def _tokens_kernel(
                     else:
                         up = pre
                         wg = wu
+                    next_ok, next_slot = pair_slots(k0 + CH, offs_c, total, incl, excl, tiles, slot0, SLOTS)
+                    next_j = tl.load(idx_ptr + next_slot, mask=next_ok, other=0).to(tl.int64)
+                    next_pre = tl.load(val_ptr + next_slot, mask=next_ok, other=0.0)
                     act, hv = _hidden(pre, up, GATED)
                     dh = _sum(wdt.to(tl.float32) * g_row[None, :], axis=1) + scale * _sign(hv)
                     tl.store(dh_ptr + slot, dh, mask=k_ok)
@@ -334,6 +320,7 @@ def _tokens_kernel(
                     if GATED:
                         d_gate = tl.where(k_ok, d_gate, 0.0)
                         acc += _sum(d_gate[:, None] * wg.to(tl.float32), axis=0)
+                    k_ok, slot, j, pre = next_ok, next_slot, next_j, next_pre
                 tl.store(dx_ptr + t64 * stride_dxm + offs_d, acc.to(dx_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -567,11 +554,16 @@ def _wgrad_kernel(
     start = tl.load(nptr_ptr + j64)
     end = tl.load(nptr_ptr + j64 + 1)
     offs_k = tl.arange(0, CK)
+    # Each iteration loads the next chunk's slot numbers while this chunk's rows are gathered.
+    k_ok = start + offs_k < end
+    slot = tl.load(list_ptr + start + offs_k, mask=k_ok, other=0).to(tl.int64)
     for k0 in range(start, end, CK):
-        k = k0 + offs_k
-        k_ok = k < end
-        slot = tl.load(list_ptr + k, mask=k_ok, other=0).to(tl.int64)
+        next_ok = k0 + CK + offs_k < end
+        next_slot = tl.load(list_ptr + k0 + CK + offs_k, mask=next_ok, other=0).to(tl.int64)
         tok = slot // SLOT_ROW
+        m2 = k_ok[:, None] & d_ok[None, :]
+        xr = tl.load(x_ptr + tok[:, None] * stride_xm + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        gr = tl.load(dout_ptr + tok[:, None] * stride_gm + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
         pre = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
         dh = tl.load(dh_ptr + slot, mask=k_ok, other=0.0)
         if GATED:
@@ -580,9 +572,6 @@ def _wgrad_kernel(
             up = pre
         act, hv = _hidden(pre, up, GATED)
         d_gate, d_up = _pair_grads(pre, up, act, dh, GATED)
-        m2 = k_ok[:, None] & d_ok[None, :]
-        xr = tl.load(x_ptr + tok[:, None] * stride_xm + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        gr = tl.load(dout_ptr + tok[:, None] * stride_gm + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
         d_up = tl.where(k_ok, d_up, 0.0)
         hv = tl.where(k_ok, hv, 0.0)
         acc_u += _sum(d_up[:, None] * xr, axis=0)
@@ -592,6 +581,7 @@ def _wgrad_kernel(
             d_gate = tl.where(k_ok, d_gate, 0.0)
             acc_g += _sum(d_gate[:, None] * xr, axis=0)
             sum_g += d_gate
+        k_ok, slot = next_ok, next_slot
 
     # Dense rows, in list (= row) order.
     dsum_g = tl.full((CR,), 0.0, tl.float32)
