@@ -4,15 +4,18 @@ weights over H.
 A few rows of a sparse batch are computed densely: rows with many overflowed tiles, rows of the
 finiteness guard. ``flag_rows`` finds the guard rows in one launch (row norms against bounds from
 the weights, ``guard_bounds``) and can add a call's counts to a telemetry buffer on the way;
-``dense_list`` lists the flagged rows on the device. The forward (``sparse_ffn``) and the backward (``sparse_ffn_backward``) first
-write those rows' per-neuron values (``h``; ``dgate`` and ``dup``) into an fp32 scratch
-``[planes, r_cap, H]``, one ``[16, BH]`` tile per program. This module turns the scratch into rows
-of the output: ``dst[rows[i]] = Σ_planes coef[p, i, :] @ W_p (+ bias)``.
+``dense_list`` lists the flagged rows on the device. The forward (``sparse_ffn``) and the backward
+(``sparse_ffn_backward``) first write those rows' per-neuron values (``h``; ``dgate`` and ``dup``)
+into an fp32 scratch ``[planes, r_cap, H]``, one ``[16, BH]`` tile per program. This module turns
+the scratch into rows of the output: ``dst[rows[i]] = Σ_planes coef[p, i, :] @ W_p (+ bias)``.
 
 H is split over programs, then the splits are summed in a fixed order (deterministic, one writer
 per output element). Before the split, the H200 took milliseconds for a single dense row at
 D = 2048, H = 5632: a handful of programs each looped over all of H (4.7 ms in the backward, 1.5 ms
 in the forward); split, it takes tens of microseconds.
+
+It also holds the small helpers the kernel files share: ``jit_helper``, ``rowmajor``,
+``reduce_sum``/``prefix_sum`` (interpreter-friendly reductions), ``dot`` and ``dot_split``.
 
 Everything runs on the device from ``n_dense`` (an int32 ``[1]`` tensor): no host sync, CUDA-graph
 capturable. List positions past ``n_dense`` cost one early return per program.

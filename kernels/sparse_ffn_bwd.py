@@ -83,9 +83,9 @@ from .checks import check_ffn_operands, check_packed, check_tensor
 from .dense_rows import BR, INTERPRET, SCRATCH_BYTES, dense_list, dot, jit_helper, rowmajor, scratch_product
 from .dense_rows import prefix_sum as _cumsum
 from .dense_rows import reduce_sum as _sum
-from .sparse_ffn import pair_slots
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
+from .sparse_ffn import pair_slots
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
