@@ -152,10 +152,15 @@ def _may_overflow(rows: Tensor, weight_rows: Tensor, bias: Optional[Tensor], dty
 def flag_rows_ref(a, a_bound, b=None, b_bound=None, count=None, slots: int = 0, flag_overflow: bool = False):
     """``dense_rows.flag_rows``: ``(flags, (Σ count, rows flagged or overflowed))``. A row is
     flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32), the same for ``b``, and
-    with ``flag_overflow`` when a tile of ``count`` overflows ``slots``."""
+    with ``flag_overflow`` when a tile of ``count`` overflows ``slots``.
+
+    The norm is the kernel's: a plain fp32 sum of squares, so a finite row whose squares overflow
+    fp32 (|x| above ~1.8e19) has an infinite norm and is flagged, which only costs speed. (On CPU
+    ``torch.linalg.vector_norm`` accumulates fp32 in float64 and would not flag it.)"""
 
     def exceeds(t, bound):
-        norm = torch.linalg.vector_norm(t.float(), dim=-1)
+        t = t.float()
+        norm = torch.sqrt((t * t).sum(-1))
         return ~(norm * bound[0].float() + bound[1].float() < bound[2].float())
 
     flags = exceeds(a, a_bound)

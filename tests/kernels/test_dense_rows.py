@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # before the kernel modules are imported (DES
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from twell_compile.kernels import dense_rows as DR  # noqa: E402
@@ -74,6 +74,8 @@ _SPECIALS = st.sampled_from(["none", "nan", "inf", "huge"])
 @given(m=st.integers(0, 70), d=st.integers(0, 300), n_tiles=st.integers(1, 5), two=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), special=_SPECIALS,
        gated=st.booleans(), finite_weights=st.booleans(), overflow=st.booleans(), seed=st.integers(0, 2**16))
+@example(m=1, d=1, n_tiles=1, two=False, dtype=torch.float32, special="huge", gated=False, finite_weights=True,
+         overflow=False, seed=0)  # its square overflows fp32: flagged (a CPU float64-accumulated norm would not)
 def test_flag_rows_matches_reference(m, d, n_tiles, two, dtype, special, gated, finite_weights, overflow, seed):
     """Flags and counters of ``flag_rows`` against ``reference.flag_rows_ref``: any M and D (not
     multiples of the block), NaN/Inf/huge rows, plain and gated bounds, non-finite weights."""
