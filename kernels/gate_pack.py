@@ -13,8 +13,15 @@ to any other tile:
 The dense ``pre`` never reaches global memory. For 16-bit inputs ``pre`` overflows to ±Inf where
 rounding it to the input dtype would (``reference.overflow_like``), as the dense gate does. This is
 ``reference.gate_pack_ref`` up to fp32 summation order (the reference sums fp32 inputs in float64).
-The epilogue runs on ``EPI_SPLIT`` row slices of the tile: a whole 128-row tile at once needs a
-rank and an address per element on top of the accumulator, and spills.
+
+Two epilogues compute the same ranks (autotune picks; tests run both):
+
+* ``RANK_DOT``: ``rank = active @ U`` by one ``tl.dot`` with the strictly upper-triangular ones
+  matrix, and the scattered stores done element by element in the accumulator's layout (inline
+  PTX on the GPU, ``tl.store`` in the interpreter). Nothing leaves the registers but the stored
+  entries, and whole 128- or 256-row tiles fit without spills.
+* ``EPI_SPLIT`` row slices with ``tl.cumsum``: Triton moves each slice into a blocked layout
+  (through shared memory) for the scan and again for the stores; the pointer path keeps it.
 
 Bytes, for 16-bit inputs (``e`` = element size, ``a`` = stored actives per row):
 
@@ -60,32 +67,38 @@ def _set_tma_blocks(nargs) -> None:
 
 
 def _cuda_configs():
-    # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT, PERSISTENT); BLOCK_N is the format's tile_n.
-    # Sweeps on the H200 (bf16, D=2048, H=5632, M=16384, 0.5% density, cuBLAS gate GEMM 0.51 ms):
-    # one program per tile spends ~0.3 ms of its 0.84-0.92 ms in the packing epilogue (a
-    # counts-only epilogue ran in 0.61 ms). Persistent programs (one per SM, a flattened tile
-    # loop) overlap one tile's epilogue with the next tile's loads: 0.78 ms against 0.94 ms for
-    # the same tile shape in the same run. Per-tile programs stay for the pointer path (no TMA:
-    # pre-Hopper GPUs and fp32, whose wider tiles need more shared memory than sm90 has).
-    shapes = [(128, 64, 8, 4, 2, True), (128, 64, 8, 4, 2, False), (256, 64, 8, 3, 4, False), (64, 64, 4, 4, 2, False),
-              (128, 32, 8, 3, 4, False)]
+    # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT, PERSISTENT, RANK_DOT); BLOCK_N is the format's
+    # tile_n. Sweeps on the H200 (bf16, D=2048, H=5632, M=16384, cuBLAS gate GEMM 0.50-0.55 ms):
+    # * persistent programs (one per SM, a flattened tile loop) overlap one tile's epilogue with
+    #   the next tile's loads: 0.78 ms against 0.94 ms for the same scan-epilogue tile per program;
+    # * ranks by tl.dot (_pack_rows_dot) keep the epilogue in the accumulator's layout: 0.78-0.80
+    #   ms at 0.3-2% density for 256-row persistent tiles and for 128-row tiles one per program,
+    #   against 0.78-0.86 ms for the scan epilogue; 128-row persistent tiles with it took 0.88-0.92.
+    # Per-tile programs with the scan epilogue stay for the pointer path (no TMA: pre-Hopper GPUs
+    # and fp32, whose wider tiles need more shared memory than sm90 has).
+    shapes = [(128, 64, 8, 4, 2, True, False), (256, 64, 8, 3, 1, True, True), (128, 64, 8, 4, 1, False, True),
+              (128, 64, 8, 4, 2, False, False), (256, 64, 8, 3, 4, False, False), (64, 64, 4, 4, 2, False, False),
+              (128, 32, 8, 3, 4, False, False)]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": e, "PERSISTENT": p}, num_warps=w, num_stages=s,
-                      pre_hook=_set_tma_blocks)
-        for bm, bk, w, s, e, p in shapes
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": e, "PERSISTENT": p, "RANK_DOT": r}, num_warps=w,
+                      num_stages=s, pre_hook=_set_tma_blocks)
+        for bm, bk, w, s, e, p, r in shapes
     ]
 
 
 def _configs():
     if INTERPRET:  # one config: multi-config autotuning needs a GPU driver
-        config = {"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 4, "PERSISTENT": True}
+        config = {"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 1, "PERSISTENT": True, "RANK_DOT": True}
         return [triton.Config(config, num_warps=4, num_stages=1, pre_hook=_set_tma_blocks)]
     return _cuda_configs()
 
 
 def _prune_configs(configs, nargs, **kwargs):
-    """Persistent programs only with TMA loads (the pointer path keeps one program per tile)."""
-    keep = [c for c in configs if c.kwargs["PERSISTENT"] == kwargs["USE_TMA"]]
+    """With TMA loads: persistent programs, or tl.dot ranks. Without: one program per tile."""
+    if kwargs["USE_TMA"]:
+        keep = [c for c in configs if c.kwargs["PERSISTENT"] or c.kwargs["RANK_DOT"]]
+    else:
+        keep = [c for c in configs if not c.kwargs["PERSISTENT"]]
     return keep or configs
 
 
@@ -103,6 +116,7 @@ def _gate_pack_kernel(
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, EVEN_K: tl.constexpr,
+    RANK_DOT: tl.constexpr,
 ):
     """Pack ``pre = x @ wᵀ + b`` into TwELL, ``BLOCK_M × BLOCK_N`` tiles.
 
@@ -120,6 +134,7 @@ def _gate_pack_kernel(
             tile, num_pid_m, x, w, b_ptr, idx_ptr, val_ptr, count_ptr, M, D, H, N_TILES,
             stride_xm, stride_xk, stride_wn, stride_wk,
             HAS_BIAS, USE_TMA, IEEE, INTERPRET, OVF, SLOTS, BLOCK_N, GROUP_M, BLOCK_M, BLOCK_K, EPI_SPLIT, EVEN_K,
+            RANK_DOT,
         )
 
 
@@ -130,6 +145,7 @@ def _gate_pack_tile(
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    RANK_DOT: tl.constexpr,
 ):
     """One ``BLOCK_M × BLOCK_N`` output tile of ``_gate_pack_kernel``: its GEMM, then its packing."""
     # Grouped order: GROUP_M row-blocks sweep all column tiles together, for L2 reuse of W.
@@ -186,7 +202,10 @@ def _gate_pack_tile(
 
     # Epilogue on EPI_SPLIT row slices of the tile: packing a 128x128 tile at once holds a rank and
     # an address per element on top of the accumulator, which spills (ptxas -v, sm90, bf16).
-    if EPI_SPLIT == 1:
+    if RANK_DOT:
+        _pack_rows_dot(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS,
+                       INTERPRET)
+    elif EPI_SPLIT == 1:
         _pack_rows(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
     elif EPI_SPLIT == 2:
         _pack_halves(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
@@ -247,6 +266,64 @@ def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N
     tl.store(idx_ptr + slot, cols[None, :] + tl.zeros(pre.shape, dtype=tl.int32), mask=keep)
     tl.store(val_ptr + slot, pre, mask=keep)
     tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok)
+
+
+@triton.jit
+def _pack_rows_dot(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """``_pack_rows`` with the ranks from one ``tl.dot``: ``rank = active @ U``, U the strictly upper
+    triangular ones, so every value stays in the accumulator's layout (a cumsum along the row first
+    moves the tile into a blocked layout through shared memory). 0/1 products summed in fp32 are
+    exact integers."""
+    rows = row0 + tl.arange(0, pre.shape[0])
+    row_ok = rows < M
+    active = ((pre <= 0.0) == 0) & col_ok[None, :]  # not (pre <= 0): NaN counts as active
+    i = tl.arange(0, pre.shape[1])
+    upper = i[:, None] < i[None, :]
+    if INTERPRET:  # the interpreter's 16-bit tl.dot is wrong (DESIGN.md section 9)
+        rank = tl.dot(active.to(tl.float32), upper.to(tl.float32))
+    else:
+        rank = tl.dot(active.to(tl.float16), upper.to(tl.float16))
+    rank = rank.to(tl.int32)
+    count = tl.sum(active.to(tl.int32), axis=1)
+    keep = active & (rank < SLOTS) & row_ok[:, None]
+    rows64 = rows.to(tl.int64)
+    row_slot = rows64 * (N_TILES * SLOTS) + pid_n * SLOTS
+    col = cols[None, :] + tl.zeros(pre.shape, dtype=tl.int32)
+    if INTERPRET:
+        slot = row_slot[:, None] + rank
+        tl.store(idx_ptr + slot, col, mask=keep)
+        tl.store(val_ptr + slot, pre, mask=keep)
+    else:
+        idx_row = (idx_ptr + row_slot).to(tl.int64, bitcast=True)
+        val_row = (val_ptr + row_slot).to(tl.int64, bitcast=True)
+        _store_pairs(tl.broadcast_to(idx_row[:, None], pre.shape), tl.broadcast_to(val_row[:, None], pre.shape),
+                     rank, col, pre, keep)
+    tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok)
+
+
+@triton.jit
+def _store_pairs(idx_row, val_row, rank, col, val, keep):
+    """``idx_row[rank] = col`` and ``val_row[rank] = val`` where ``keep``, element by element, in
+    the operands' own layout: ``tl.store`` moves a scattered store into a blocked layout first
+    (Triton's coalescing pass), a shared-memory round trip of the whole tile and its pointers."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        .reg .s64 a;
+        setp.ne.s32 p, $6, 0;
+        mul.wide.s32 a, $3, 4;
+        add.s64 a, a, $1;
+        @p st.global.b32 [a], $4;
+        mul.wide.s32 a, $3, 4;
+        add.s64 a, a, $2;
+        @p st.global.b32 [a], $5;
+        mov.b32 $0, 0;
+        }""",
+        "=r,l,l,r,r,r,r",
+        [idx_row, val_row, rank, col, val.to(tl.int32, bitcast=True), keep.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )
 
 
 def _persistent_programs(device: torch.device) -> int:

@@ -12,6 +12,7 @@ H200, exact with integer data, and within fp32 roundoff of a float64 pre-activat
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -26,6 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 from tests.strategies import EDGE_H, sizes  # noqa: E402
 from twell_compile.kernels import reference as R  # noqa: E402
 from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellLayout  # noqa: E402
+from twell_compile.kernels import gate_pack as GP  # noqa: E402
 from twell_compile.kernels.gate_pack import gate_pack  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,6 +71,26 @@ def int_inputs(m, d, h, dtype, seed, *, bias: bool, density_shift: int = 0, skew
     return x.to(DEV), w.to(DEV), None if b is None else b.to(DEV)
 
 
+@contextlib.contextmanager
+def epilogue(kind: str):
+    """``gate_pack`` with one config whose epilogue ranks the actives by ``tl.dot`` ("dot") or by
+    a cumsum over row halves ("scan"); the autotuner's configs are restored after."""
+    kernel = GP._gate_pack_kernel
+    saved = kernel.configs, kernel.cache
+    bm, bk, warps, stages = (32, 32, 4, 1) if GP.INTERPRET else (128, 32, 8, 3)  # fp32 tiles fit shared memory
+    meta = {"BLOCK_M": bm, "BLOCK_K": bk, "PERSISTENT": True, "RANK_DOT": kind == "dot",
+            "EPI_SPLIT": 1 if kind == "dot" else 2}
+    config = GP.triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=GP._set_tma_blocks)
+    kernel.configs, kernel.cache = [config], {}
+    try:
+        yield
+    finally:
+        kernel.configs, kernel.cache = saved
+
+
+EPILOGUES = ["dot", "scan"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Designed patterns: capacity edges, all-zero and all-active rows, partial last tile
 # ---------------------------------------------------------------------------------------------
@@ -97,12 +119,14 @@ def designed_pre(h: int = 300, m: int = 9) -> torch.Tensor:
     return pre
 
 
+@pytest.mark.parametrize("kind", EPILOGUES)
 @pytest.mark.parametrize("use_tma", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_designed_patterns(dtype, use_tma):
+def test_designed_patterns(dtype, use_tma, kind):
     pre = designed_pre()
     x, w = copy_matrix(pre, dtype)
-    got = gate_pack(x, w, use_tma=use_tma)
+    with epilogue(kind):
+        got = gate_pack(x, w, use_tma=use_tma)
     ref = R.gate_pack_ref(x, w)
     assert_packed_equal(got, ref)
     assert got.count[2].tolist() == [16, 17, 16]
@@ -133,15 +157,18 @@ def test_nan_and_inf_in_the_bias(dtype):
     assert stored[:, 0].isnan().all() and (stored[:, 1] == INF).all() and (stored[:, 2] == 0).all()
 
 
+@pytest.mark.parametrize("kind", EPILOGUES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_nonfinite_x_rows(dtype):
+def test_nonfinite_x_rows(dtype, kind):
     """Inf in x gives ±Inf and NaN (Inf·0, Inf−Inf) pre-activations, with the same pattern."""
     x, w, b = int_inputs(17, 10, 140, dtype, 4, bias=True)
     x[3, 2] = INF
     x[5, 0] = -INF
     x[5, 1] = INF
     x[8, 4] = NAN
-    assert_packed_equal(gate_pack(x, w, b), R.gate_pack_ref(x, w, b))
+    with epilogue(kind):
+        got = gate_pack(x, w, b)
+    assert_packed_equal(got, R.gate_pack_ref(x, w, b))
 
 
 def test_float16_overflow_becomes_inf():
@@ -166,15 +193,18 @@ def test_float16_overflow_becomes_inf():
     shift=st.integers(-8, 8),
     skew=st.sampled_from([0, 0, 40]),
     use_tma=st.booleans(),
+    kind=st.sampled_from(EPILOGUES),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_reference_on_integer_inputs(m, d, h, dtype, bias, shift, skew, use_tma, seed):
+def test_matches_reference_on_integer_inputs(m, d, h, dtype, bias, shift, skew, use_tma, kind, seed):
     """Any shape (tails of M, K and the last tile), densities from 0 to 100% through the bias,
     skewed neurons."""
     x, w, b = int_inputs(m, d, h, dtype, seed, bias=bias, density_shift=shift, skew=skew)
     if use_tma and (d * x.element_size()) % 16:
         use_tma = False  # TMA needs 16-byte rows
-    assert_packed_equal(gate_pack(x, w, b, use_tma=use_tma), R.gate_pack_ref(x, w, b), label=f"m={m} d={d} h={h}")
+    with epilogue(kind):
+        got = gate_pack(x, w, b, use_tma=use_tma)
+    assert_packed_equal(got, R.gate_pack_ref(x, w, b), label=f"m={m} d={d} h={h} {kind}")
 
 
 @settings(max_examples=10, deadline=None)
@@ -251,14 +281,17 @@ def test_argument_errors_name_the_argument():
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["autotuned"] + EPILOGUES)
 @pytest.mark.parametrize("use_tma", [None, False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_benchmark_shape_exact_on_integers(dtype, use_tma):
-    """M=4096, D=2048, H=5632 with integer data: exact whatever the tensor-core summation order."""
+def test_gpu_benchmark_shape_exact_on_integers(dtype, use_tma, kind):
+    """M=4096, D=2048, H=5632 with integer data: exact whatever the tensor-core summation order,
+    with the autotuner's pick and with each epilogue."""
     if dtype == torch.float32 and use_tma:
         pytest.skip("fp32 keeps the pointer path")
     x, w, b = int_inputs(4096, 2048, 5632, dtype, 0, bias=True, density_shift=-185)  # ~2% active
-    got = gate_pack(x, w, b, use_tma=use_tma)
+    with epilogue(kind) if kind != "autotuned" else contextlib.nullcontext():
+        got = gate_pack(x, w, b, use_tma=use_tma)
     ref = R.gate_pack_ref(x, w, b)
     assert 0.001 < ref.count.float().mean() / 128 < 0.5
     assert_packed_equal(got, ref)
