@@ -67,6 +67,17 @@ else:
         return tl.cumsum(x, axis=axis)
 
 
+@jit_helper
+def column_mask(offs, D, EVEN: tl.constexpr):
+    """``offs < D``, or a constant all-true mask when ``EVEN`` (D a multiple of the block). A mask
+    the compiler cannot fold keeps a predicate per element: at D = 2048 on sm90 the pair loop of
+    ``sparse_ffn`` needed 112 registers a thread against 64 without it, and so fewer programs per SM."""
+    if EVEN:
+        return tl.full(offs.shape, 1, tl.int1)
+    else:
+        return offs < D
+
+
 def rowmajor(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a contiguous last dimension (a copy only when it is not)."""
     return t if t.stride(-1) == 1 else t.contiguous()

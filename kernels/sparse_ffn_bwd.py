@@ -80,7 +80,8 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import BR, INTERPRET, SCRATCH_BYTES, dense_list, dot, jit_helper, rowmajor, scratch_product
+from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, column_mask, dense_list, dot, jit_helper, rowmajor,
+                         scratch_product)
 from .dense_rows import prefix_sum as _cumsum
 from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
@@ -253,6 +254,7 @@ def _prune_tokens(configs, nargs, **kwargs):
 
 
 @triton.autotune(configs=_token_configs(), key=["D", "H", "GATED"], prune_configs_by={"early_config_prune": _prune_tokens})
+@triton.heuristics({"EVEN_D": lambda a: a["D"] % a["BLOCK_D"] == 0})
 @triton.jit
 def _tokens_kernel(
     # pointers
@@ -264,7 +266,7 @@ def _tokens_kernel(
     stride_gm, stride_wg, stride_wu, stride_wdt, stride_dxm,
     # meta-parameters
     GATED: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr, BLOCK_D: tl.constexpr,
-    CH: tl.constexpr, TOKENS: tl.constexpr,
+    CH: tl.constexpr, TOKENS: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """``dx[t]`` and ``dh`` at every stored slot of each sparse row ``t`` (``dense[t] == 0``).
 
@@ -275,7 +277,7 @@ def _tokens_kernel(
     """
     pid = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    d_ok = column_mask(offs_d, D, EVEN_D)
     tiles = tl.arange(0, NT_P2)
     t_ok = tiles < N_TILES
     offs_c = tl.arange(0, CH)
@@ -516,6 +518,7 @@ def _neuron_dots(
 
 
 @triton.autotune(configs=_wgrad_configs(), key=["D", "H", "GATED"], prune_configs_by={"early_config_prune": _prune_wgrad})
+@triton.heuristics({"EVEN_D": lambda a: a["D"] % a["BD"] == 0})
 @triton.jit
 def _wgrad_kernel(
     # pointers: activations, pair data, dense rows, weights (for recomputation), outputs
@@ -529,7 +532,7 @@ def _wgrad_kernel(
     stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
     # meta-parameters
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
-    CR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, CK: tl.constexpr,
+    CR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, CK: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """``dWg[j, dblock]``, ``dWu[j, dblock]``, ``dWdᵀ[j, dblock]`` (and ``dbg[j]``, ``dbu[j]`` from
     the first D slice) for neuron ``j = program_id(0)``.
@@ -543,7 +546,7 @@ def _wgrad_kernel(
     j = tl.program_id(0)
     j64 = j.to(tl.int64)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    d_ok = offs_d < D
+    d_ok = column_mask(offs_d, D, EVEN_D)
     acc_g = tl.full((BD,), 0.0, tl.float32)
     acc_u = tl.full((BD,), 0.0, tl.float32)
     acc_d = tl.full((BD,), 0.0, tl.float32)
