@@ -71,7 +71,7 @@ def _cuda_configs():
     # tile_n. Sweeps on the H200 (bf16, D=2048, H=5632, M=16384, cuBLAS gate GEMM 0.50-0.55 ms):
     # * persistent programs (one per SM, a flattened tile loop) overlap one tile's epilogue with
     #   the next tile's loads: 0.78 ms against 0.94 ms for the same scan-epilogue tile per program;
-    # * ranks by tl.dot (_pack_rows_dot) keep the epilogue in the accumulator's layout: 0.78-0.80
+    # * ranks by tl.dot (_pack_rows) keep the epilogue in the accumulator's layout: 0.78-0.80
     #   ms at 0.3-2% density for 256-row persistent tiles and for 128-row tiles one per program,
     #   against 0.78-0.86 ms for the scan epilogue; 128-row persistent tiles with it took 0.88-0.92.
     # Per-tile programs with the scan epilogue stay for the pointer path (no TMA: pre-Hopper GPUs
@@ -200,13 +200,12 @@ def _gate_pack_tile(
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc = overflow_like(acc, OVF)
 
-    # Epilogue on EPI_SPLIT row slices of the tile: packing a 128x128 tile at once holds a rank and
-    # an address per element on top of the accumulator, which spills (ptxas -v, sm90, bf16).
-    if RANK_DOT:
-        _pack_rows_dot(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS,
-                       INTERPRET)
-    elif EPI_SPLIT == 1:
-        _pack_rows(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
+    # The scan epilogue runs on EPI_SPLIT row slices of the tile: packing a 128x128 tile at once holds
+    # a rank and an address per element on top of the accumulator, which spills (ptxas -v, sm90,
+    # bf16). The tl.dot epilogue (RANK_DOT) packs the whole tile without spills.
+    if RANK_DOT or EPI_SPLIT == 1:
+        _pack_rows(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS,
+                   RANK_DOT, INTERPRET)
     elif EPI_SPLIT == 2:
         _pack_halves(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
     elif EPI_SPLIT == 4:
@@ -252,53 +251,43 @@ def _pack_quarters(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, 
 
 
 @triton.jit
-def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr):
-    """Pack the rows ``row0 + i`` of ``pre [R, BLOCK_N]`` (fp32, one TwELL tile) into TwELL."""
+def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr,
+               RANK_DOT: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+    """Pack the rows ``row0 + i`` of ``pre [R, BLOCK_N]`` (fp32, one TwELL tile) into TwELL.
+
+    The rank of an active entry is the number of actives before it in its row: a ``tl.cumsum``,
+    or with ``RANK_DOT`` one ``tl.dot`` with the strictly upper-triangular ones matrix U, which
+    keeps every value in the accumulator's layout (the cumsum first moves the tile into a blocked
+    layout through shared memory); 0/1 products summed in fp32 are exact integers. ``RANK_DOT``
+    on the GPU also stores through ``_store_pairs``, in that same layout.
+    """
     rows = row0 + tl.arange(0, pre.shape[0])
     row_ok = rows < M
     active = ((pre <= 0.0) == 0) & col_ok[None, :]  # not (pre <= 0): NaN counts as active
     ones = active.to(tl.int32)
-    rank = tl.cumsum(ones, axis=1) - 1  # slot of each active entry: first actives first
-    count = tl.sum(ones, axis=1)
-    keep = active & (rank < SLOTS) & row_ok[:, None]
-    rows64 = rows.to(tl.int64)
-    slot = (rows64 * (N_TILES * SLOTS) + pid_n * SLOTS)[:, None] + rank
-    tl.store(idx_ptr + slot, cols[None, :] + tl.zeros(pre.shape, dtype=tl.int32), mask=keep)
-    tl.store(val_ptr + slot, pre, mask=keep)
-    tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok)
-
-
-@triton.jit
-def _pack_rows_dot(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr,
-                   INTERPRET: tl.constexpr):
-    """``_pack_rows`` with the ranks from one ``tl.dot``: ``rank = active @ U``, U the strictly upper
-    triangular ones, so every value stays in the accumulator's layout (a cumsum along the row first
-    moves the tile into a blocked layout through shared memory). 0/1 products summed in fp32 are
-    exact integers."""
-    rows = row0 + tl.arange(0, pre.shape[0])
-    row_ok = rows < M
-    active = ((pre <= 0.0) == 0) & col_ok[None, :]  # not (pre <= 0): NaN counts as active
-    i = tl.arange(0, pre.shape[1])
-    upper = i[:, None] < i[None, :]
-    if INTERPRET:  # the interpreter's 16-bit tl.dot is wrong (DESIGN.md section 9)
-        rank = tl.dot(active.to(tl.float32), upper.to(tl.float32))
+    if RANK_DOT:
+        i = tl.arange(0, pre.shape[1])
+        upper = i[:, None] < i[None, :]
+        if INTERPRET:  # the interpreter's 16-bit tl.dot is wrong (DESIGN.md section 9)
+            rank = tl.dot(active.to(tl.float32), upper.to(tl.float32)).to(tl.int32)
+        else:
+            rank = tl.dot(active.to(tl.float16), upper.to(tl.float16)).to(tl.int32)
     else:
-        rank = tl.dot(active.to(tl.float16), upper.to(tl.float16))
-    rank = rank.to(tl.int32)
-    count = tl.sum(active.to(tl.int32), axis=1)
+        rank = tl.cumsum(ones, axis=1) - 1  # slot of each active entry: first actives first
+    count = tl.sum(ones, axis=1)
     keep = active & (rank < SLOTS) & row_ok[:, None]
     rows64 = rows.to(tl.int64)
     row_slot = rows64 * (N_TILES * SLOTS) + pid_n * SLOTS
     col = cols[None, :] + tl.zeros(pre.shape, dtype=tl.int32)
-    if INTERPRET:
-        slot = row_slot[:, None] + rank
-        tl.store(idx_ptr + slot, col, mask=keep)
-        tl.store(val_ptr + slot, pre, mask=keep)
-    else:
+    if RANK_DOT and not INTERPRET:
         idx_row = (idx_ptr + row_slot).to(tl.int64, bitcast=True)
         val_row = (val_ptr + row_slot).to(tl.int64, bitcast=True)
         _store_pairs(tl.broadcast_to(idx_row[:, None], pre.shape), tl.broadcast_to(val_row[:, None], pre.shape),
                      rank, col, pre, keep)
+    else:
+        slot = row_slot[:, None] + rank
+        tl.store(idx_ptr + slot, col, mask=keep)
+        tl.store(val_ptr + slot, pre, mask=keep)
     tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok)
 
 
