@@ -109,7 +109,7 @@ def variants(arch: str, full: bool):
                                                                             (torch.float32, False))]
     for dtype, gated, all_configs in cases:
         tag = f"{TY[dtype]} {'gated' if gated else 'plain'}"
-        sixteen = dtype != torch.float32
+        sixteen = dtype != torch.float32  # also: fp32 variants compile the pair loops' D mask (EVEN_D off)
         ovf = GP.overflow_threshold(dtype)
         biases = dict(HAS_BG=gated, HAS_BU=True)
 
@@ -130,7 +130,7 @@ def variants(arch: str, full: bool):
         for store_up in ([True, False] if gated else [False]):
             for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D)):
                 consts = dict(GATED=gated, **biases, HAS_BD=True, STORE_UP=store_up, SLOTS=SLOTS, TILE_N=TILE_N,
-                              NT_P2=NT_P2, BLOCK_D=D, OVF=ovf, EVEN_D=True)
+                              NT_P2=NT_P2, BLOCK_D=D, OVF=ovf, EVEN_D=sixteen)
                 yield (f"sparse_ffn {tag} store_up={store_up} {_name(cfg)}",
                        lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
                            SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))
@@ -170,7 +170,7 @@ def variants(arch: str, full: bool):
                 {"dense_ptr": "*u8", "starts_ptr": "*i64" if place else "*i32"}))
         for cfg in _configs(SB._tokens_kernel, all_configs, dict(BLOCK_D=D)):
             yield f"tokens {tag} {_name(cfg)}", (lambda dtype=dtype, gated=gated, cfg=cfg: compile_kernel(
-                SB._tokens_kernel, target, dtype, dict(GATED=gated, SLOTS=SLOTS, NT_P2=NT_P2, BLOCK_D=D, EVEN_D=True),
+                SB._tokens_kernel, target, dtype, dict(GATED=gated, SLOTS=SLOTS, NT_P2=NT_P2, BLOCK_D=D, EVEN_D=sixteen),
                 {"dense_ptr": "*u8"}, cfg))
         bh, bk, bd = 64, 64, (64 if dtype == torch.float32 else 128)
         flags = dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=native, BR=DR.BR, BH=bh, BK=bk)
@@ -181,7 +181,7 @@ def variants(arch: str, full: bool):
         for cfg in _configs(SB._wgrad_kernel, all_configs, {}, {"D": D}):
             yield f"wgrad {tag} {_name(cfg)}", (lambda dtype=dtype, gated=gated, cfg=cfg: compile_kernel(
                 SB._wgrad_kernel, target, dtype,
-                dict(GATED=gated, HAS_BG=gated, HAS_BU=True, CR=DR.BR, BK=64, EVEN_D=True),
+                dict(GATED=gated, HAS_BG=gated, HAS_BU=True, CR=DR.BR, BK=64, EVEN_D=sixteen),
                 {"nptr_ptr": "*i64"}, cfg))
 
 
