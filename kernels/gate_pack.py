@@ -16,10 +16,11 @@ rounding it to the input dtype would (``reference.overflow_like``), as the dense
 
 Two epilogues compute the same ranks (autotune picks; tests run both):
 
-* ``RANK_DOT``: ``rank = active @ U`` by one ``tl.dot`` with the strictly upper-triangular ones
-  matrix, and the scattered stores done element by element in the accumulator's layout (inline
-  PTX on the GPU, ``tl.store`` in the interpreter). Nothing leaves the registers but the stored
-  entries, and whole 128- or 256-row tiles fit without spills.
+* ``BIT_RANKS``: each row's activity bits in 32-bit words (row sums of ``active << lane``), and
+  ``rank`` = population counts of the bits below the entry in its word and of the words before
+  (``_bit_ranks``); the kept entries are stored element by element in the accumulator's layout
+  (inline PTX on the GPU, ``tl.store`` in the interpreter). Nothing leaves the registers but the
+  stored entries, and whole 256-row tiles fit without spills.
 * ``EPI_SPLIT`` row slices with ``tl.cumsum``: Triton moves each slice into a blocked layout
   (through shared memory) for the scan and again for the stores; the pointer path keeps it.
 
@@ -31,8 +32,9 @@ Bytes, for 16-bit inputs (``e`` = element size, ``a`` = stored actives per row):
   at D=2048, H=5632, 28 actives per token that is 312 B instead of 11264 B per token.
 
 Loads go through TMA tensor descriptors on sm90+ (``use_tma``), or plain pointers elsewhere and
-in the interpreter by default. With TMA, one persistent program per SM loops over the tiles, so a
-tile's epilogue overlaps the next tile's loads; with pointers, each program packs one tile. fp32
+in the interpreter by default. With TMA, the autotuner's usual pick is one persistent program per
+SM looping over the tiles, so a tile's epilogue overlaps the next tile's loads; with pointers, each
+program packs one tile. fp32
 inputs use IEEE fp32 products (``input_precision="ieee"``), as dense PyTorch does with TF32 off;
 fp16/bf16 use tensor cores with fp32 accumulation.
 """
@@ -45,6 +47,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .checks import FLOAT_DTYPES, check_matrix, check_tensor
@@ -67,20 +70,21 @@ def _set_tma_blocks(nargs) -> None:
 
 
 def _cuda_configs():
-    # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT, PERSISTENT, RANK_DOT); BLOCK_N is the format's
-    # tile_n. Sweeps on the H200 (bf16, D=2048, H=5632, M=16384, cuBLAS gate GEMM 0.50-0.55 ms):
+    # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT, PERSISTENT, BIT_RANKS); BLOCK_N is the format's
+    # tile_n. Sweeps on the H200 (bf16, D=2048, H=5632, M=16384, cuBLAS gate GEMM 0.49-0.51 ms):
     # * persistent programs (one per SM, a flattened tile loop) overlap one tile's epilogue with
     #   the next tile's loads: 0.78 ms against 0.94 ms for the same scan-epilogue tile per program;
-    # * ranks by tl.dot (_pack_rows) keep the epilogue in the accumulator's layout: 0.78-0.80
-    #   ms at 0.3-2% density for 256-row persistent tiles and for 128-row tiles one per program,
-    #   against 0.78-0.86 ms for the scan epilogue; 128-row persistent tiles with it took 0.88-0.92.
+    # * bit-count ranks keep the epilogue in the accumulator's layout: 0.64-0.67 ms at 0.3-2%
+    #   density for 256-row persistent tiles, 0.72-0.75 for 128-row tiles one per program, against
+    #   0.75-0.84 for the scan epilogue and 0.75-0.81 for ranks by a tl.dot with a triangular
+    #   matrix (session 7's epilogue, 100 bytes of spills at 256 rows; removed).
     # Per-tile programs with the scan epilogue stay for the pointer path (no TMA: pre-Hopper GPUs
     # and fp32, whose wider tiles need more shared memory than sm90 has).
-    shapes = [(128, 64, 8, 4, 2, True, False), (256, 64, 8, 3, 1, True, True), (128, 64, 8, 4, 1, False, True),
+    shapes = [(256, 64, 8, 3, 1, True, True), (256, 64, 8, 4, 1, True, True), (128, 64, 8, 4, 1, False, True),
               (128, 64, 8, 4, 2, False, False), (256, 64, 8, 3, 4, False, False), (64, 64, 4, 4, 2, False, False),
               (128, 32, 8, 3, 4, False, False)]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": e, "PERSISTENT": p, "RANK_DOT": r}, num_warps=w,
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": e, "PERSISTENT": p, "BIT_RANKS": r}, num_warps=w,
                       num_stages=s, pre_hook=_set_tma_blocks)
         for bm, bk, w, s, e, p, r in shapes
     ]
@@ -88,17 +92,14 @@ def _cuda_configs():
 
 def _configs():
     if INTERPRET:  # one config: multi-config autotuning needs a GPU driver
-        config = {"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 1, "PERSISTENT": True, "RANK_DOT": True}
+        config = {"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 1, "PERSISTENT": True, "BIT_RANKS": True}
         return [triton.Config(config, num_warps=4, num_stages=1, pre_hook=_set_tma_blocks)]
     return _cuda_configs()
 
 
 def _prune_configs(configs, nargs, **kwargs):
-    """With TMA loads: persistent programs, or tl.dot ranks. Without: one program per tile."""
-    if kwargs["USE_TMA"]:
-        keep = [c for c in configs if c.kwargs["PERSISTENT"] or c.kwargs["RANK_DOT"]]
-    else:
-        keep = [c for c in configs if not c.kwargs["PERSISTENT"]]
+    """With TMA loads: bit-count ranks. Without: the scan epilogue, one program per tile."""
+    keep = [c for c in configs if c.kwargs["BIT_RANKS"] == kwargs["USE_TMA"]]
     return keep or configs
 
 
@@ -116,7 +117,7 @@ def _gate_pack_kernel(
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, EVEN_K: tl.constexpr,
-    RANK_DOT: tl.constexpr,
+    BIT_RANKS: tl.constexpr,
 ):
     """Pack ``pre = x @ wᵀ + b`` into TwELL, ``BLOCK_M × BLOCK_N`` tiles.
 
@@ -134,7 +135,7 @@ def _gate_pack_kernel(
             tile, num_pid_m, x, w, b_ptr, idx_ptr, val_ptr, count_ptr, M, D, H, N_TILES,
             stride_xm, stride_xk, stride_wn, stride_wk,
             HAS_BIAS, USE_TMA, IEEE, INTERPRET, OVF, SLOTS, BLOCK_N, GROUP_M, BLOCK_M, BLOCK_K, EPI_SPLIT, EVEN_K,
-            RANK_DOT,
+            BIT_RANKS,
         )
 
 
@@ -145,7 +146,7 @@ def _gate_pack_tile(
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    RANK_DOT: tl.constexpr,
+    BIT_RANKS: tl.constexpr,
 ):
     """One ``BLOCK_M × BLOCK_N`` output tile of ``_gate_pack_kernel``: its GEMM, then its packing."""
     # Grouped order: GROUP_M row-blocks sweep all column tiles together, for L2 reuse of W.
@@ -202,10 +203,10 @@ def _gate_pack_tile(
 
     # The scan epilogue runs on EPI_SPLIT row slices of the tile: packing a 128x128 tile at once holds
     # a rank and an address per element on top of the accumulator, which spills (ptxas -v, sm90,
-    # bf16). The tl.dot epilogue (RANK_DOT) packs the whole tile without spills.
-    if RANK_DOT or EPI_SPLIT == 1:
+    # bf16). Bit-count ranks (BIT_RANKS) pack a whole 256-row tile without spills.
+    if BIT_RANKS or EPI_SPLIT == 1:
         _pack_rows(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS,
-                   RANK_DOT, INTERPRET)
+                   BIT_RANKS, INTERPRET)
     elif EPI_SPLIT == 2:
         _pack_halves(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
     elif EPI_SPLIT == 4:
@@ -252,34 +253,29 @@ def _pack_quarters(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, 
 
 @triton.jit
 def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr,
-               RANK_DOT: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+               BIT_RANKS: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     """Pack the rows ``row0 + i`` of ``pre [R, BLOCK_N]`` (fp32, one TwELL tile) into TwELL.
 
     The rank of an active entry is the number of actives before it in its row: a ``tl.cumsum``,
-    or with ``RANK_DOT`` one ``tl.dot`` with the strictly upper-triangular ones matrix U, which
-    keeps every value in the accumulator's layout (the cumsum first moves the tile into a blocked
-    layout through shared memory); 0/1 products summed in fp32 are exact integers. ``RANK_DOT``
-    on the GPU also stores through ``_store_pairs``, in that same layout.
+    which first moves the tile into a blocked layout through shared memory, or with ``BIT_RANKS``
+    population counts of the row's activity bits (``_bit_ranks``), which keep every value in the
+    accumulator's layout; ``BIT_RANKS`` on the GPU also stores through ``_store_pairs``, in that
+    same layout.
     """
     rows = row0 + tl.arange(0, pre.shape[0])
     row_ok = rows < M
     active = ((pre <= 0.0) == 0) & col_ok[None, :]  # not (pre <= 0): NaN counts as active
-    ones = active.to(tl.int32)
-    if RANK_DOT:
-        i = tl.arange(0, pre.shape[1])
-        upper = i[:, None] < i[None, :]
-        if INTERPRET:  # the interpreter's 16-bit tl.dot is wrong (DESIGN.md section 9)
-            rank = tl.dot(active.to(tl.float32), upper.to(tl.float32)).to(tl.int32)
-        else:
-            rank = tl.dot(active.to(tl.float16), upper.to(tl.float16)).to(tl.int32)
+    if BIT_RANKS:
+        rank, count = _bit_ranks(active, INTERPRET)
     else:
+        ones = active.to(tl.int32)
         rank = tl.cumsum(ones, axis=1) - 1  # slot of each active entry: first actives first
-    count = tl.sum(ones, axis=1)
+        count = tl.sum(ones, axis=1)
     keep = active & (rank < SLOTS) & row_ok[:, None]
     rows64 = rows.to(tl.int64)
     row_slot = rows64 * (N_TILES * SLOTS) + pid_n * SLOTS
     col = cols[None, :] + tl.zeros(pre.shape, dtype=tl.int32)
-    if RANK_DOT and not INTERPRET:
+    if BIT_RANKS and not INTERPRET:
         idx_row = (idx_ptr + row_slot).to(tl.int64, bitcast=True)
         val_row = (val_ptr + row_slot).to(tl.int64, bitcast=True)
         _store_pairs(tl.broadcast_to(idx_row[:, None], pre.shape), tl.broadcast_to(val_row[:, None], pre.shape),
@@ -289,6 +285,43 @@ def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N
         tl.store(idx_ptr + slot, col, mask=keep)
         tl.store(val_ptr + slot, pre, mask=keep)
     tl.store(count_ptr + rows64 * N_TILES + pid_n, count, mask=row_ok)
+
+
+@triton.jit
+def _bit_ranks(active, INTERPRET: tl.constexpr):
+    """``(rank, count)`` of ``active [R, N]`` (N a power of two) from its words of activity bits
+    (32 columns each, or N if fewer): rank = popcount of the bits below the entry in its word +
+    the popcounts of the words before. Only element-wise operations and row sums, all in
+    ``active``'s own layout."""
+    R: tl.constexpr = active.shape[0]
+    N: tl.constexpr = active.shape[1]
+    WORD: tl.constexpr = N if N < 32 else 32
+    c = tl.arange(0, N)
+    lane = (c % WORD).to(tl.uint32)
+    bits = active.to(tl.uint32) << lane[None, :]
+    word_b = tl.zeros((R, N), tl.uint32)  # each entry's word, broadcast over its 32 columns
+    before_b = tl.zeros((R, N), tl.int32)  # actives in the words before the entry's
+    count = tl.zeros((R,), tl.int32)
+    for wi in tl.static_range(N // WORD):
+        in_word = (c // WORD == wi)[None, :]
+        word = tl.sum(tl.where(in_word, bits, 0), axis=1)  # distinct bits: their sum is their or
+        word_b = tl.where(in_word, word[:, None], word_b)
+        before_b = tl.where(in_word, count[:, None], before_b)
+        count += _popcount(word, INTERPRET)
+    below = (tl.full((N,), 1, tl.uint32) << lane) - 1
+    return before_b + _popcount(word_b & below[None, :], INTERPRET), count
+
+
+@triton.jit
+def _popcount(v, INTERPRET: tl.constexpr):
+    """Set bits of uint32 ``v`` as int32: ``popc`` on the GPU, a SWAR count in the interpreter."""
+    if INTERPRET:
+        v = v - ((v >> 1) & 0x55555555)
+        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+        v = (v + (v >> 4)) & 0x0F0F0F0F
+        return ((v * 0x01010101) >> 24).to(tl.int32)
+    else:
+        return libdevice.popc(v.to(tl.int32, bitcast=True))
 
 
 @triton.jit

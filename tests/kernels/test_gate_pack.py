@@ -73,13 +73,13 @@ def int_inputs(m, d, h, dtype, seed, *, bias: bool, density_shift: int = 0, skew
 
 @contextlib.contextmanager
 def epilogue(kind: str):
-    """``gate_pack`` with one config whose epilogue ranks the actives by ``tl.dot`` ("dot") or by
+    """``gate_pack`` with one config whose epilogue ranks the actives by bit counts ("bits") or by
     a cumsum over row halves ("scan"); the autotuner's configs are restored after."""
     kernel = GP._gate_pack_kernel
     saved = kernel.configs, kernel.cache
     bm, bk, warps, stages = (32, 32, 4, 1) if GP.INTERPRET else (128, 32, 8, 3)  # fp32 tiles fit shared memory
-    meta = {"BLOCK_M": bm, "BLOCK_K": bk, "PERSISTENT": True, "RANK_DOT": kind == "dot",
-            "EPI_SPLIT": 1 if kind == "dot" else 2}
+    meta = {"BLOCK_M": bm, "BLOCK_K": bk, "PERSISTENT": True, "BIT_RANKS": kind == "bits",
+            "EPI_SPLIT": 1 if kind == "bits" else 2}
     config = GP.triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=GP._set_tma_blocks)
     kernel.configs, kernel.cache = [config], {}
     try:
@@ -88,7 +88,7 @@ def epilogue(kind: str):
         kernel.configs, kernel.cache = saved
 
 
-EPILOGUES = ["dot", "scan"]
+EPILOGUES = ["bits", "scan"]
 
 
 # ---------------------------------------------------------------------------------------------
