@@ -33,12 +33,12 @@ from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellPacked, is_active
 from . import telemetry
 
 # Below these fractions of active gate units the sparse path is taken: the crossovers measured on
-# the H200 (bf16, D=2048, H=5632, M=16384, docs/benchmarks.md, session 6). Inference: sparse 1.43x
-# of cuBLAS at 0.3%, 1.22x at 0.5%, 0.88x at 1%, against 0.96-1.00x for the dense path. Training
-# (dense path 1.00-1.02x of dense autograd): sparse 1.68x at 0.3%, 1.35x at 0.5%, 0.89x at 1%.
-# Interpolated, both cross near 0.8%; no point between 0.5% and 1% was measured, and real models'
-# skew and heavy rows cost the sparse path a little, so the threshold stays at 0.6%.
-SPARSE_MAX_DENSITY = {"inference": 0.006, "training": 0.006}
+# the H200 (bf16, D=2048, H=5632, M=16384, docs/benchmarks.md, session 8), forced sparse against
+# dense eager, uniform / skewed neurons. Inference: 1.20x / 1.24x at 0.6%, 1.10x / 1.16x at 0.7%,
+# 1.05x / 1.09x at 0.8%, 1.01x / 1.11x at 0.9%, 0.96x at 1%, against 0.91-0.99x for the dense path.
+# Training (dense path 1.01-1.03x): 1.26x / 1.09x at 0.6%, 1.13x / 1.00x at 0.7%, 1.06x / 0.92x at
+# 0.8%. Each threshold sits below the skewed crossover, with the heavy rows of real models in mind.
+SPARSE_MAX_DENSITY = {"inference": 0.008, "training": 0.0065}
 # Below this many tokens per call the sparse path is bound by its host time (~1.0 ms per call on
 # the H200's host in session 4: op dispatch, Triton launches, guard and telemetry ops), which dense cuBLAS
 # at D=2048, H=5632 undercuts below ~9.4k tokens (M=4096: sparse 1.40 ms, dense 0.44 ms).
