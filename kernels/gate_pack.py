@@ -34,9 +34,8 @@ Bytes, for 16-bit inputs (``e`` = element size, ``a`` = stored actives per row):
 Loads go through TMA tensor descriptors on sm90+ (``use_tma``), or plain pointers elsewhere and
 in the interpreter by default. With TMA, the autotuner's usual pick is one persistent program per
 SM looping over the tiles, so a tile's epilogue overlaps the next tile's loads; with pointers, each
-program packs one tile. fp32
-inputs use IEEE fp32 products (``input_precision="ieee"``), as dense PyTorch does with TF32 off;
-fp16/bf16 use tensor cores with fp32 accumulation.
+program packs one tile. fp32 inputs use IEEE fp32 products (``input_precision="ieee"``), as dense
+PyTorch does with TF32 off; fp16/bf16 use tensor cores with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -71,13 +70,13 @@ def _set_tma_blocks(nargs) -> None:
 
 def _cuda_configs():
     # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT, PERSISTENT, BIT_RANKS); BLOCK_N is the format's
-    # tile_n. Sweeps on the H200 (bf16, D=2048, H=5632, M=16384, cuBLAS gate GEMM 0.49-0.51 ms):
+    # tile_n. Sweeps on the H200 (bf16, D=2048, H=5632, M=16384, cuBLAS gate GEMM 0.51-0.54 ms):
     # * persistent programs (one per SM, a flattened tile loop) overlap one tile's epilogue with
     #   the next tile's loads: 0.78 ms against 0.94 ms for the same scan-epilogue tile per program;
-    # * bit-count ranks keep the epilogue in the accumulator's layout: 0.64-0.67 ms at 0.3-2%
-    #   density for 256-row persistent tiles, 0.72-0.75 for 128-row tiles one per program, against
-    #   0.75-0.84 for the scan epilogue and 0.75-0.81 for ranks by a tl.dot with a triangular
-    #   matrix (session 7's epilogue, 100 bytes of spills at 256 rows; removed).
+    # * bit-count ranks keep the epilogue in the accumulator's layout: 0.63-0.73 ms at 0.3-2%
+    #   density for 256-row persistent tiles (0.64-0.68 with 4 stages), 0.74-0.79 for 128-row
+    #   tiles one per program, against 0.84-0.88 for the scan epilogue's persistent tiles and
+    #   0.75-0.88 for session 7's ranks by a tl.dot (100 bytes of spills at 256 rows; removed).
     # Per-tile programs with the scan epilogue stay for the pointer path (no TMA: pre-Hopper GPUs
     # and fp32, whose wider tiles need more shared memory than sm90 has).
     shapes = [(256, 64, 8, 3, 1, True, True), (256, 64, 8, 4, 1, True, True), (128, 64, 8, 4, 1, False, True),
