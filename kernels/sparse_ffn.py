@@ -22,13 +22,13 @@ Kernels:
 
 * ``_sparse_ffn_kernel``: a program owns ``TOKENS`` consecutive tokens (neighbouring tokens share
   neurons in real models, so their weight rows can hit in L1) and handles them one after the
-  other, with the x row and the output row in registers. The token's stored pairs are numbered
-  0..a-1 by a prefix sum over its tile counts; the loop takes ``CH`` pairs at a time, each found
-  by a compare-and-count over those prefix sums and one gather of its ``idx``/``val`` (a
-  ``[CH, N_TILES]`` search; a one-hot pick out of the whole ``[N_TILES, SLOTS]`` row, with no
-  dependent load, was 12% slower on the H200), then one ``[CH, D]`` gather of ``Wdᵀ`` rows and
-  one of ``Wu`` rows, issued together, ``CH`` dot products, one rank-``CH`` update of the output
-  row.
+  other, with the x row and the output row in registers. A cursor (``next_pair``: tile, slot,
+  the tile's stored count) walks the token's stored pairs in (tile, slot) order by scalar loads
+  of its tile counts, which hit in L1, with no reduction and no CTA barrier; for each pair, one
+  gather of the ``Wdᵀ`` row and one of the ``Wu`` row (and its up bias), issued together, one dot
+  product, one update of the output row. Session 9 replaced a ``[CH, N_TILES]`` compare-and-count
+  over prefix sums (two CTA-wide reductions per chunk): the same speed without biases, 9% faster
+  with an up bias (its load now travels with the weight rows), and simpler.
 * the whole-dense rows, from their list (``dense_rows.dense_list`` of the flags the sparse kernel
   writes; no host sync). The first ``r_cap`` list positions (288 at D=2048, H=5632: a 32 MiB
   scratch budget): ``_dense_hidden_kernel`` writes their ``h`` as fp32 ``[16, BH]`` tiles from
@@ -45,16 +45,17 @@ Bytes, 16-bit weights (``e = 2``), ``a`` stored pairs per token:
   D=2048, H=5632 fit the H200's 60 MB L2; they are loaded with ``evict_last``);
 * written per token: ``D·e_out`` (+ ``n_tiles·slots·4`` with ``return_up``).
 
-The loop loads chunk ``k + 1``'s ``idx``/``val`` while chunk ``k``'s weight rows are gathered, so
-the dependent round trip (pair -> weight row) is paid once per token, not once per chunk.
+The loop loads pair ``k + 1``'s ``idx``/``val`` while pair ``k``'s weight rows are gathered, so
+the dependent round trip (pair -> weight row) is paid once per token, not once per pair.
 
-Measured speed (H200, bf16, M=16384, D=2048, H=5632, uniform random neurons), before that
-prefetch: 0.65 ms at 28 active neurons per token (0.5%), 1.21 ms at 56, 2.24 ms at 114. The naive
-one-token-per-program kernel of DESIGN.md section 10 (same 8 KiB per pair, from L2 at ~9 TB/s)
-took 0.42, 0.82 and 1.64 ms. With the prefetch, the training variant (``return_up``) went from
-0.80 to 0.66 ms at 0.5% and from 1.41 to 1.16 ms at 1% in the same process. With uniformly
-random neurons no layout reduces the bytes; tokens per program only help when neighbouring
-tokens share neurons.
+Measured speed (H200, bf16, M=16384, D=2048, H=5632, uniform random neurons), each config alone
+(session 9): 0.41 ms at 17 active neurons per token (0.3%), 0.58 ms at 28 (0.5%), 1.0 ms at 56,
+1.9 ms at 114; with up values stored, 0.46, 0.62, 1.03 and 1.92. The naive one-token-per-program
+kernel of DESIGN.md section 10 (same 8 KiB per pair, from L2 at ~9 TB/s) took 0.26, 0.42, 0.82
+and 1.64 ms. Neither loading the next pair's weight rows a pair ahead (more registers: slower at
+0.5% and above) nor the cursor walk (no reductions) closed that gap, so it is not the pair walk's
+latency. With uniformly random neurons no layout reduces the bytes; tokens per program only help
+when neighbouring tokens share neurons.
 
 ``Wd`` is ``[D, H]`` (``nn.Linear``); its columns are rows of ``Wdᵀ``, so the launcher makes
 ``wd.t().contiguous()`` ([H, D]) on every call: ``2·H·D·e`` bytes of copy traffic (46 MB, 75 µs on
@@ -71,7 +72,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, column_mask, dense_list, dot, dot_split, jit_helper, reduce_sum,
+from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, column_mask, dense_list, dot, dot_split, jit_helper,
                          rowmajor, scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
@@ -105,11 +106,12 @@ _DENSE_TILES_INTERPRET = (16, 32, 32, 64, 4, 1)
 def _sparse_configs():
     if INTERPRET:
         return [triton.Config({"CH": 8, "TOKENS": 4}, num_warps=4, num_stages=1)]  # few interpreted ops
-    # (pairs per chunk, warps, tokens per program). From a 13-config sweep on the H200 (bf16,
-    # D=2048, H=5632, M=16384, uniform neurons): (4, 4, 1) was fastest at 0.5% density (0.65 ms),
-    # (1, 2, 1) at 1% and 2% (1.21 and 2.24 ms); more tokens per program were slower on uniform
-    # neurons, and one such config stays for the skewed neurons of real models.
-    shapes = [(4, 4, 1), (1, 2, 1), (1, 4, 1), (2, 4, 1), (2, 4, 4)]
+    # (columns per step of an overflowed tile's recompute, warps, tokens per program). The pair
+    # walk takes one pair at a time whatever CH is; a CH above 1 only adds registers. On the H200
+    # (bf16, D=2048, H=5632, M=16384, uniform neurons, session 9): 2 warps were fastest with up
+    # values at 0.5% (0.62 ms), 4 warps without them (0.58 ms) and with an up bias, 1 and 2 warps at
+    # 2%; more tokens per program were slower.
+    shapes = [(1, 2, 1), (1, 4, 1), (1, 1, 1)]
     return [triton.Config({"CH": c, "TOKENS": t}, num_warps=w, num_stages=1) for c, w, t in shapes]
 
 
@@ -123,15 +125,26 @@ def _prune_sparse(configs, nargs, **kwargs):
 
 
 @jit_helper
-def pair_slots(k0, offs_c, total, incl, excl, tiles, slot0, SLOTS: tl.constexpr):
-    """``(ok, slot)`` of pairs ``k0 + offs_c`` of a row's compact pair list: pair ``k`` lies in
-    the tile whose inclusive prefix of stored counts ``incl`` first exceeds ``k``, at slot
-    ``k - excl[tile]`` of it (a ``[CH, n_tiles]`` compare-and-count); ``slot0`` is the row's first
-    slot. Pairs at or past ``total`` are not ``ok``."""
-    k = k0 + offs_c
-    tile_k = reduce_sum((incl[None, :] <= k[:, None]).to(tl.int32), axis=1)
-    first = reduce_sum(tl.where(tiles[None, :] == tile_k[:, None], excl[None, :], 0), axis=1)
-    return k < total, slot0 + (tile_k * SLOTS + k - first).to(tl.int64)
+def first_pair(count_ptr, cnt_base, N_TILES, SLOTS: tl.constexpr):
+    """The cursor of ``next_pair`` on a TwELL row's first stored pair."""
+    none = tl.full([], -1, tl.int32)
+    return next_pair(count_ptr, cnt_base, none, none, tl.full([], 0, tl.int32), N_TILES, SLOTS)
+
+
+@jit_helper
+def next_pair(count_ptr, cnt_base, tau, s, c, N_TILES, SLOTS: tl.constexpr):
+    """The stored pair after slot ``s`` of tile ``tau`` (whose stored count is ``c``) of a TwELL row
+    whose counts start at ``count_ptr + cnt_base``: ``(tile, slot, the tile's count)``, tile
+    ``N_TILES`` once past the last pair. Tiles with no stored pair, and overflowed ones
+    (``count > SLOTS``, computed densely), are skipped. Scalar loads of one row's counts: after
+    the first they hit in L1, and no reduction or CTA barrier is needed."""
+    s += 1
+    while (s >= c) & (tau < N_TILES):
+        tau += 1
+        c = tl.load(count_ptr + cnt_base + tau, mask=tau < N_TILES, other=0)
+        c = tl.where(c > SLOTS, 0, c)
+        s = 0
+    return tau, s, c
 
 
 # STORE_UP is in the key: training (which stores up values) and inference tune separately. With
@@ -182,52 +195,47 @@ def _sparse_ffn_kernel(
             n_over = tl.sum(over.to(tl.int32), axis=0)
             sparse_row = (tl.load(dense_ptr + t64) == 0) & (n_over <= TILE_MAX)
             tl.store(whole_ptr + t64, (sparse_row == 0).to(tl.uint8))
-            # Pairs the loop below handles: none in overflowed tiles or whole-dense rows.
-            stored = tl.where(over | (sparse_row == 0), 0, cnt)
             slot0 = t64 * N_TILES * SLOTS  # first slot of this token's TwELL row
             keep_up = sparse_row & (n_over == 0)  # the reference computes overflow rows densely
 
             if sparse_row:
                 x_row = tl.load(x_ptr + t64 * stride_xm + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-                # Pairs are numbered 0..total-1 in (tile, slot) order (pair_slots).
-                incl = tl.cumsum(stored, axis=0)
-                excl = incl - stored
-                total = tl.sum(stored, axis=0)
-                # The first chunk's pairs; each iteration then loads the next chunk's, so those
-                # loads are in flight while this chunk's weight rows are gathered.
-                k_ok, slot = pair_slots(0, offs_c, total, incl, excl, tiles, slot0, SLOTS)
-                j = tl.load(idx_ptr + slot, mask=k_ok, other=0).to(tl.int64)
-                g = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
-                for k0 in range(0, total, CH):
-                    w_mask = k_ok[:, None] & d_ok[None, :]
-                    # Both weight gathers are issued before the up reduction (a CTA barrier), so
-                    # their L2 round trips overlap. Weights stay in L2 (46 MB fit the H200's 60 MB).
-                    wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + offs_d[None, :], mask=w_mask, other=0.0,
-                                 eviction_policy="evict_last")
+                # The stored pairs in (tile, slot) order (next_pair); the next pair's idx/val are
+                # loaded while this pair's weight rows are gathered.
+                cnt_base = t64 * N_TILES
+                ct, cs, cc = first_pair(count_ptr, cnt_base, N_TILES, SLOTS)
+                ok = ct < N_TILES
+                slot = slot0 + (ct * SLOTS + cs).to(tl.int64)
+                jp = tl.load(idx_ptr + slot, mask=ok, other=0).to(tl.int64)
+                gp = tl.load(val_ptr + slot, mask=ok, other=0.0)
+                while ok:
+                    wd = tl.load(wdt_ptr + jp * stride_wdt + offs_d, mask=d_ok, other=0.0, eviction_policy="evict_last")
                     if GATED:
-                        wu = tl.load(wu_ptr + j[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0,
-                                     eviction_policy="evict_last")
-                    next_ok, next_slot = pair_slots(k0 + CH, offs_c, total, incl, excl, tiles, slot0, SLOTS)
-                    next_j = tl.load(idx_ptr + next_slot, mask=next_ok, other=0).to(tl.int64)
-                    next_g = tl.load(val_ptr + next_slot, mask=next_ok, other=0.0)
-                    act = tl.where(g <= 0.0, 0.0, g)  # relu that keeps NaN, as torch.relu does
-                    if GATED:
-                        up = tl.sum(wu.to(tl.float32) * x_row[None, :], axis=1)
+                        wu = tl.load(wu_ptr + jp * stride_wu + offs_d, mask=d_ok, other=0.0, eviction_policy="evict_last")
                         if HAS_BU:
-                            up += tl.load(bu_ptr + j, mask=k_ok, other=0.0).to(tl.float32)
+                            bu_j = tl.load(bu_ptr + jp).to(tl.float32)
+                    ct, cs, cc = next_pair(count_ptr, cnt_base, ct, cs, cc, N_TILES, SLOTS)
+                    next_ok = ct < N_TILES
+                    next_slot = slot0 + (ct * SLOTS + cs).to(tl.int64)
+                    next_jp = tl.load(idx_ptr + next_slot, mask=next_ok, other=0).to(tl.int64)
+                    next_gp = tl.load(val_ptr + next_slot, mask=next_ok, other=0.0)
+                    act = tl.where(gp <= 0.0, 0.0, gp)  # relu that keeps NaN, as torch.relu does
+                    if GATED:
+                        up = tl.sum(wu.to(tl.float32) * x_row, axis=0)
+                        if HAS_BU:
+                            up += bu_j
                         if OVF > 0:  # dense rounds up and h to the input dtype: its overflow points
                             up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
                         if STORE_UP:
-                            tl.store(up_ptr + slot, up, mask=k_ok & keep_up)
+                            tl.store(up_ptr + slot, up, mask=keep_up)
                         hv = act * up
                         if OVF > 0:
                             hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
                     else:
                         hv = act
-                    hv = tl.where(k_ok, hv, 0.0)
-                    acc += tl.sum(hv[:, None] * wd.to(tl.float32), axis=0)
-                    k_ok, slot, j, g = next_ok, next_slot, next_j, next_g
+                    acc += hv * wd.to(tl.float32)
+                    ok, slot, jp, gp = next_ok, next_slot, next_jp, next_gp
 
                 # Overflowed tiles (at most TILE_MAX): every column of the tile, recomputed from x.
                 if n_over > 0:

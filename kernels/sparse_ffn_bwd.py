@@ -31,12 +31,13 @@ Kernels, in launch order:
    list holds slot numbers ``(t · n_tiles + tile) · slots + s``; its capacity ``M · n_tiles · slots``
    is every slot, so it cannot overflow; pairs of a neuron are in token order.
 2. ``_tokens_kernel``: token-major. A program owns ``TOKENS`` sparse rows, one after the other, with
-   the ``dout`` row and the ``dx`` accumulator in registers. It walks the row's stored pairs as one
-   compact list, ``CH`` at a time (a prefix sum over the row's tile counts, then a ``[CH, n_tiles]``
-   search), loads the ``Wdᵀ``, ``Wg`` and ``Wu`` rows of those neurons, and writes ``dh`` per slot.
-   The next chunk's pairs are loaded while this chunk's rows are gathered (as in ``sparse_ffn``);
-   ``_wgrad_kernel`` does the same with its slot list. Together: the backward went from 2.70 to
-   2.48 ms at 0.5% density and from 4.76 to 4.35 ms at 1% on the H200, in the same process.
+   the ``dout`` row and the ``dx`` accumulator in registers. It walks the row's stored pairs one at
+   a time with ``sparse_ffn.next_pair``'s cursor (scalar loads of the tile counts), loads the
+   ``Wdᵀ``, ``Wg`` and ``Wu`` rows of each neuron, and writes ``dh`` per slot. The next pair is
+   loaded while this pair's rows are gathered (as in ``sparse_ffn``); ``_wgrad_kernel`` does the
+   same with its slot list. Together: the backward went from 2.70 to 2.48 ms at 0.5% density and
+   from 4.76 to 4.35 ms at 1% on the H200, in the same process (session 6); the cursor, which
+   replaced a ``[CH, n_tiles]`` search over prefix sums, took it from 2.38–2.40 to 2.33 ms.
 3. ``_dense_coef_kernel``: ``dgate``, ``dup`` and ``h`` of the first ``r_cap`` dense rows over all
    H, as ``[16, BH]`` tiles from ``tl.dot`` over D, into an fp32 scratch ``[3, r_cap, H]``
    (``r_cap`` from a 32 MiB budget: 496 rows at H = 5632).
@@ -86,7 +87,7 @@ from .dense_rows import prefix_sum as _cumsum
 from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
-from .sparse_ffn import pair_slots
+from .sparse_ffn import first_pair, next_pair
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -236,21 +237,22 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
 
 def _token_configs():
     if INTERPRET:
-        return [triton.Config({"CH": 4, "TOKENS": 2}, num_warps=4, num_stages=1)]
-    # (pairs per chunk, warps, tokens per program). A 10-config sweep on the H200 (bf16, D=2048,
-    # H=5632, M=16384, uniform neurons): one pair at a time was fastest, (1, 4, 1) at 1.03 ms for
-    # 0.5% density and 1.86 ms for 1%, then (1, 2, 1) and (1, 2, 4); two pairs cost ~30% more.
-    shapes = [(1, 4, 1), (1, 2, 1), (1, 2, 4), (2, 4, 1)]
-    return [triton.Config({"CH": c, "TOKENS": t}, num_warps=w, num_stages=1) for c, w, t in shapes]
+        return [triton.Config({"TOKENS": 2}, num_warps=4, num_stages=1)]
+    # (warps, tokens per program). On the H200 (bf16, D=2048, H=5632, M=16384, uniform neurons):
+    # 4 warps were fastest at every density from 0.3% to 2% (session 9: the whole backward 2.33 ms
+    # at 0.5%, against 2.40 with 2 warps); more tokens per program were slower.
+    shapes = [(4, 1), (2, 1), (2, 4)]
+    return [triton.Config({"TOKENS": t}, num_warps=w, num_stages=1) for w, t in shapes]
 
 
 def _prune_tokens(configs, nargs, **kwargs):
-    """Keep configs whose three ``[CH, BLOCK_D]`` weight tiles fit ≤ 128 fp32 registers per thread."""
+    """Keep configs whose three ``[BLOCK_D]`` weight rows fit ≤ 128 fp32 registers per thread."""
     block_d = kwargs["BLOCK_D"]
-    keep = [c for c in configs if 3 * c.kwargs["CH"] * block_d <= 128 * 32 * c.num_warps]
+    keep = [c for c in configs if 3 * block_d <= 128 * 32 * c.num_warps]
     if keep:
         return keep
-    return [triton.Config({"CH": 1, "TOKENS": 1}, num_warps=16, num_stages=1)]
+    return [triton.Config({"TOKENS": 1}, num_warps=max(16, triton.next_power_of_2(3 * block_d // 4096)),
+                          num_stages=1)]
 
 
 @triton.autotune(configs=_token_configs(), key=["D", "H", "GATED"], prune_configs_by={"early_config_prune": _prune_tokens})
@@ -265,8 +267,8 @@ def _tokens_kernel(
     # row strides (elements; every last dimension is contiguous)
     stride_gm, stride_wg, stride_wu, stride_wdt, stride_dxm,
     # meta-parameters
-    GATED: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr, BLOCK_D: tl.constexpr,
-    CH: tl.constexpr, TOKENS: tl.constexpr, EVEN_D: tl.constexpr,
+    GATED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """``dx[t]`` and ``dh`` at every stored slot of each sparse row ``t`` (``dense[t] == 0``).
 
@@ -278,51 +280,45 @@ def _tokens_kernel(
     pid = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = column_mask(offs_d, D, EVEN_D)
-    tiles = tl.arange(0, NT_P2)
-    t_ok = tiles < N_TILES
-    offs_c = tl.arange(0, CH)
     scale = tl.load(scale_ptr)
     for i in range(TOKENS):
         t = pid * TOKENS + i
         if t < M:
             t64 = t.to(tl.int64)
             if tl.load(dense_ptr + t64) == 0:
-                cnt = tl.load(count_ptr + t64 * N_TILES + tiles, mask=t_ok, other=0)
-                stored = tl.minimum(cnt, SLOTS)
-                incl = _cumsum(stored, axis=0)
-                excl = incl - stored
-                total = _sum(stored, axis=0)
                 g_row = tl.load(dout_ptr + t64 * stride_gm + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 acc = tl.full((BLOCK_D,), 0.0, tl.float32)
                 slot0 = t64 * N_TILES * SLOTS
-                # The row's compact pair list, CH pairs at a time (sparse_ffn.pair_slots); each
-                # iteration loads the next chunk's pairs while this chunk's weight rows arrive.
-                k_ok, slot = pair_slots(0, offs_c, total, incl, excl, tiles, slot0, SLOTS)
-                j = tl.load(idx_ptr + slot, mask=k_ok, other=0).to(tl.int64)
-                pre = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
-                for k0 in range(0, total, CH):
-                    w_mask = k_ok[:, None] & d_ok[None, :]
-                    wdt = tl.load(wdt_ptr + j[:, None] * stride_wdt + offs_d[None, :], mask=w_mask, other=0.0)
-                    wu = tl.load(wu_ptr + j[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
+                # The stored pairs in (tile, slot) order (sparse_ffn.next_pair; a sparse row has no
+                # overflowed tile); each iteration loads the next pair while this pair's rows arrive.
+                cnt_base = t64 * N_TILES
+                ct, cs, cc = first_pair(count_ptr, cnt_base, N_TILES, SLOTS)
+                ok = ct < N_TILES
+                slot = slot0 + (ct * SLOTS + cs).to(tl.int64)
+                jp = tl.load(idx_ptr + slot, mask=ok, other=0).to(tl.int64)
+                pre = tl.load(val_ptr + slot, mask=ok, other=0.0)
+                while ok:
+                    wdt = tl.load(wdt_ptr + jp * stride_wdt + offs_d, mask=d_ok, other=0.0)
+                    wu = tl.load(wu_ptr + jp * stride_wu + offs_d, mask=d_ok, other=0.0)
                     if GATED:
-                        up = tl.load(up_ptr + slot, mask=k_ok, other=0.0)
-                        wg = tl.load(wg_ptr + j[:, None] * stride_wg + offs_d[None, :], mask=w_mask, other=0.0)
+                        up = tl.load(up_ptr + slot)
+                        wg = tl.load(wg_ptr + jp * stride_wg + offs_d, mask=d_ok, other=0.0)
                     else:
                         up = pre
                         wg = wu
-                    next_ok, next_slot = pair_slots(k0 + CH, offs_c, total, incl, excl, tiles, slot0, SLOTS)
-                    next_j = tl.load(idx_ptr + next_slot, mask=next_ok, other=0).to(tl.int64)
+                    ct, cs, cc = next_pair(count_ptr, cnt_base, ct, cs, cc, N_TILES, SLOTS)
+                    next_ok = ct < N_TILES
+                    next_slot = slot0 + (ct * SLOTS + cs).to(tl.int64)
+                    next_jp = tl.load(idx_ptr + next_slot, mask=next_ok, other=0).to(tl.int64)
                     next_pre = tl.load(val_ptr + next_slot, mask=next_ok, other=0.0)
                     act, hv = _hidden(pre, up, GATED)
-                    dh = _sum(wdt.to(tl.float32) * g_row[None, :], axis=1) + scale * _sign(hv)
-                    tl.store(dh_ptr + slot, dh, mask=k_ok)
+                    dh = _sum(wdt.to(tl.float32) * g_row, axis=0) + scale * _sign(hv)
+                    tl.store(dh_ptr + slot, dh)
                     d_gate, d_up = _pair_grads(pre, up, act, dh, GATED)
-                    d_up = tl.where(k_ok, d_up, 0.0)
-                    acc += _sum(d_up[:, None] * wu.to(tl.float32), axis=0)
+                    acc += d_up * wu.to(tl.float32)
                     if GATED:
-                        d_gate = tl.where(k_ok, d_gate, 0.0)
-                        acc += _sum(d_gate[:, None] * wg.to(tl.float32), axis=0)
-                    k_ok, slot, j, pre = next_ok, next_slot, next_j, next_pre
+                        acc += d_gate * wg.to(tl.float32)
+                    ok, slot, jp, pre = next_ok, next_slot, next_jp, next_pre
                 tl.store(dx_ptr + t64 * stride_dxm + offs_d, acc.to(dx_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -791,7 +787,7 @@ def sparse_ffn_backward(
         dout, wg_, wu, wdt, idx, val, up, count, dense_u8, scale, dx, dh,
         m, d, h, n_tiles,
         dout.stride(0), *w_strides, dx.stride(0),
-        GATED=gated, SLOTS=slots, NT_P2=max(2, triton.next_power_of_2(n_tiles)), BLOCK_D=block_d,
+        GATED=gated, SLOTS=slots, BLOCK_D=block_d,
     )
     dense_args = (x, dout, wg_, wu, wdt, bg_, bu_, scale, rows, n_dense, coef)
     if r_cap:
