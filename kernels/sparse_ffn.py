@@ -147,6 +147,17 @@ def next_pair(count_ptr, cnt_base, tau, s, c, N_TILES, SLOTS: tl.constexpr):
     return tau, s, c
 
 
+@jit_helper
+def load_pair(idx_ptr, val_ptr, slot0, tau, s, N_TILES, SLOTS: tl.constexpr):
+    """``(ok, slot, j, value)`` of the cursor's pair (tile ``tau``, slot ``s`` of the TwELL row
+    starting at slot ``slot0``): its neuron (int64) and stored value; not ``ok`` past the last."""
+    ok = tau < N_TILES
+    slot = slot0 + (tau * SLOTS + s).to(tl.int64)
+    j = tl.load(idx_ptr + slot, mask=ok, other=0).to(tl.int64)
+    v = tl.load(val_ptr + slot, mask=ok, other=0.0)
+    return ok, slot, j, v
+
+
 # STORE_UP is in the key: training (which stores up values) and inference tune separately. With
 # one shared entry, training ran with the config inference picked first: 1.15 ms per call in an H200
 # profile, against 0.79 ms with its own pick, (1, 4, 1), at 0.5% density.
@@ -205,10 +216,7 @@ def _sparse_ffn_kernel(
                 # loaded while this pair's weight rows are gathered.
                 cnt_base = t64 * N_TILES
                 ct, cs, cc = first_pair(count_ptr, cnt_base, N_TILES, SLOTS)
-                ok = ct < N_TILES
-                slot = slot0 + (ct * SLOTS + cs).to(tl.int64)
-                jp = tl.load(idx_ptr + slot, mask=ok, other=0).to(tl.int64)
-                gp = tl.load(val_ptr + slot, mask=ok, other=0.0)
+                ok, slot, jp, gp = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS)
                 while ok:
                     wd = tl.load(wdt_ptr + jp * stride_wdt + offs_d, mask=d_ok, other=0.0, eviction_policy="evict_last")
                     if GATED:
@@ -216,10 +224,7 @@ def _sparse_ffn_kernel(
                         if HAS_BU:
                             bu_j = tl.load(bu_ptr + jp).to(tl.float32)
                     ct, cs, cc = next_pair(count_ptr, cnt_base, ct, cs, cc, N_TILES, SLOTS)
-                    next_ok = ct < N_TILES
-                    next_slot = slot0 + (ct * SLOTS + cs).to(tl.int64)
-                    next_jp = tl.load(idx_ptr + next_slot, mask=next_ok, other=0).to(tl.int64)
-                    next_gp = tl.load(val_ptr + next_slot, mask=next_ok, other=0.0)
+                    next_ok, next_slot, next_jp, next_gp = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS)
                     act = tl.where(gp <= 0.0, 0.0, gp)  # relu that keeps NaN, as torch.relu does
                     if GATED:
                         up = tl.sum(wu.to(tl.float32) * x_row, axis=0)

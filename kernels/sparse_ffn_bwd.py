@@ -87,7 +87,7 @@ from .dense_rows import prefix_sum as _cumsum
 from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
-from .sparse_ffn import first_pair, next_pair
+from .sparse_ffn import first_pair, load_pair, next_pair
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -293,10 +293,7 @@ def _tokens_kernel(
                 # overflowed tile); each iteration loads the next pair while this pair's rows arrive.
                 cnt_base = t64 * N_TILES
                 ct, cs, cc = first_pair(count_ptr, cnt_base, N_TILES, SLOTS)
-                ok = ct < N_TILES
-                slot = slot0 + (ct * SLOTS + cs).to(tl.int64)
-                jp = tl.load(idx_ptr + slot, mask=ok, other=0).to(tl.int64)
-                pre = tl.load(val_ptr + slot, mask=ok, other=0.0)
+                ok, slot, jp, pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS)
                 while ok:
                     wdt = tl.load(wdt_ptr + jp * stride_wdt + offs_d, mask=d_ok, other=0.0)
                     wu = tl.load(wu_ptr + jp * stride_wu + offs_d, mask=d_ok, other=0.0)
@@ -307,10 +304,7 @@ def _tokens_kernel(
                         up = pre
                         wg = wu
                     ct, cs, cc = next_pair(count_ptr, cnt_base, ct, cs, cc, N_TILES, SLOTS)
-                    next_ok = ct < N_TILES
-                    next_slot = slot0 + (ct * SLOTS + cs).to(tl.int64)
-                    next_jp = tl.load(idx_ptr + next_slot, mask=next_ok, other=0).to(tl.int64)
-                    next_pre = tl.load(val_ptr + next_slot, mask=next_ok, other=0.0)
+                    next_ok, next_slot, next_jp, next_pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS)
                     act, hv = _hidden(pre, up, GATED)
                     dh = _sum(wdt.to(tl.float32) * g_row, axis=0) + scale * _sign(hv)
                     tl.store(dh_ptr + slot, dh)
