@@ -251,8 +251,7 @@ def _prune_tokens(configs, nargs, **kwargs):
     keep = [c for c in configs if 3 * block_d <= 128 * 32 * c.num_warps]
     if keep:
         return keep
-    return [triton.Config({"TOKENS": 1}, num_warps=max(16, triton.next_power_of_2(3 * block_d // 4096)),
-                          num_stages=1)]
+    return [triton.Config({"TOKENS": 1}, num_warps=16, num_stages=1)]
 
 
 @triton.autotune(configs=_token_configs(), key=["D", "H", "GATED"], prune_configs_by={"early_config_prune": _prune_tokens})
