@@ -292,7 +292,8 @@ def _tokens_kernel(
                 # overflowed tile); each iteration loads the next pair while this pair's rows arrive.
                 cnt_base = t64 * N_TILES
                 ct, cs, cc = first_pair(count_ptr, cnt_base, N_TILES, SLOTS)
-                ok, slot, jp, pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS)
+                # Default L2 policy for the pairs: _wgrad_kernel reads their values again.
+                ok, slot, jp, pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "")
                 while ok:
                     wdt = tl.load(wdt_ptr + jp * stride_wdt + offs_d, mask=d_ok, other=0.0)
                     wu = tl.load(wu_ptr + jp * stride_wu + offs_d, mask=d_ok, other=0.0)
@@ -303,7 +304,8 @@ def _tokens_kernel(
                         up = pre
                         wg = wu
                     ct, cs, cc = next_pair(count_ptr, cnt_base, ct, cs, cc, N_TILES, SLOTS)
-                    next_ok, next_slot, next_jp, next_pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS)
+                    next_ok, next_slot, next_jp, next_pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS,
+                                                                      "")
                     act, hv = _hidden(pre, up, GATED)
                     dh = _sum(wdt.to(tl.float32) * g_row, axis=0) + scale * _sign(hv)
                     tl.store(dh_ptr + slot, dh)
