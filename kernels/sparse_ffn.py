@@ -43,10 +43,11 @@ Bytes, 16-bit weights (``e = 2``), ``a`` stored pairs per token:
 * read per token: x row ``D·e``, the packed row (``n_tiles·4`` + ``a·8``), and ``a`` rows of ``Wu``
   and of ``Wdᵀ``: ``2·a·D·e`` (8 KiB per pair at D=2048), mostly from L2. The x row, the pairs and
   the output row are read or written once, so they go through L2 as ``evict_first``, which leaves
-  more of it to the weight rows. ``ncu`` on the H200 (session 10) found the weights 46 MB of its
-  50 MB L2, with a 61% L2 hit rate and 42% of DRAM bandwidth in use; the hints took the kernel
-  from 0.575 to 0.56 ms at 0.5% density (0.405 to 0.387 at 0.3%; the same at 1%), bitwise equal.
-  The weight rows keep the default policy: ``evict_last`` on them measured slower;
+  more of it to the weight rows. ``ncu`` on the H200 (session 10): the 46 MB of weights share its
+  60 MiB L2 with that streamed data, at a 61% L2 hit rate and 42% of DRAM bandwidth in use; the
+  hints took the kernel from 0.578 to 0.566 ms at 0.5% density (0.414 to 0.394 at 0.3%; the same
+  at 1%), bitwise equal. The weight rows keep the default policy (``evict_last`` on them measured
+  slower);
 * written per token: ``D·e_out`` (+ ``n_tiles·slots·4`` with ``return_up``).
 
 The loop loads pair ``k + 1``'s ``idx``/``val`` while pair ``k``'s weight rows are gathered, so
