@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from twell_compile.kernels import reference
-from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellPacked, is_active
+from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellPacked
 
 from . import telemetry
 
@@ -47,9 +47,6 @@ SPARSE_MIN_TOKENS = 12288
 SPARSE_MAX_DENSE_ROWS = 0.02
 # The training L1 value for stats() costs a pass over the TwELL buffers: measure it every N calls.
 L1_EVERY = 8
-# The dense path's counters (a pass over a sample of the gate, ~5% of a dense inference call) are
-# measured every N calls, and on the first call after a sparse one; the others keep the last.
-COUNT_EVERY = 8
 
 
 def _capturing() -> bool:
@@ -69,7 +66,6 @@ class _LayerPolicy:
         self.density = 1.0  # unknown until the first call's counters arrive: start dense
         self.dense_row_fraction = 1.0
         self.calls = 0
-        self.last_sparse = False
 
     def choose(self, training: bool) -> bool:
         if self.event is not None and not _capturing() and self.event.query():
@@ -81,9 +77,8 @@ class _LayerPolicy:
         limit = SPARSE_MAX_DENSITY["training" if training else "inference"]
         return self.density < limit and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS
 
-    def after(self, buf: torch.Tensor, hidden: int, sparse: bool) -> None:
+    def after(self, buf: torch.Tensor, hidden: int) -> None:
         self.calls += 1
-        self.last_sparse = sparse
         self._hidden = hidden
         if self.event is None and not _capturing():
             self.host.copy_(buf, non_blocking=True)
@@ -146,9 +141,9 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     """Returns ``(ForwardResult, sparse: bool)`` and records the layer's counters.
 
     On the dense path the result's ``packed``/``up_val`` are None for inference and ``dense_rows``
-    is None; the telemetry then counts the rows that would have overflowed (an estimate). On the
-    sparse path ``dense_rows`` is computed only on the calls that measure L1 (None otherwise): the
-    telemetry's counts come from the guard kernel.
+    is None; the telemetry then counts the rows that would have overflowed a TwELL tile. On the
+    sparse path ``dense_rows`` is computed only on the calls that measure L1 (None otherwise).
+    Either path's kernels add the call's counts straight into the layer's telemetry.
     """
     policy = _policy(layer, x2d.device)
     if FORCE_PATH is None:
@@ -158,41 +153,37 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     sparse = sparse and x2d.dtype != torch.float64
     want_l1 = training and policy.calls % L1_EVERY == 0
     saved = None
+    counters = telemetry.counters(layer, x2d.device)
     if sparse:
-        # The guard kernel adds this call's counts straight into the layer's telemetry.
-        counters = telemetry.counters(layer, x2d.device)
         res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, counters)
     else:
-        measure = want_l1 or policy.calls % COUNT_EVERY == 0 or policy.last_sparse
-        res, active, dense_rows, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, measure)
+        res, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, counters)
     if training:
         _remember(res.packed.count, not sparse, saved)
-    if sparse:
-        buf = telemetry.record_counted(layer, tokens=x2d.shape[0], l1=res.l1, sparse=True, device=x2d.device)
-    else:
-        buf = telemetry.record(layer, tokens=x2d.shape[0], active=active, dense_rows=dense_rows, l1=res.l1,
-                               sparse=False, device=x2d.device)
-    policy.after(buf, wu.shape[0], sparse)
+    buf = telemetry.record_counted(layer, tokens=x2d.shape[0], l1=res.l1, sparse=sparse, device=x2d.device)
+    policy.after(buf, wu.shape[0])
     return res, sparse
 
 
-def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, measure: bool = True):
-    """The dense FFN in the input dtype (exactly what the rewrite replaced).
+def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
+                   counters: Optional[torch.Tensor] = None):
+    """The dense FFN in the input dtype (exactly what the rewrite replaced), with ``relu(gate) · up``
+    in one pass (``dense_act.dense_activation``) that adds the call's active entries and the rows
+    that would overflow a TwELL tile to ``counters`` (telemetry's fp64 ``[2]``).
 
-    Returns the result, the estimated active count and overflow rows, measured on every
-    ``SAMPLE_STRIDE``-th row (the counters only steer the next call's path, and a full pass over
-    the ``[M, H]`` gate would cost ~6% of the dense FFN), or ``None, None`` unless ``measure``; and
-    in training ``(act, up, h)`` for the backward: what dense autograd saves.
+    Returns the result and, in training, ``(act, up, h)`` for the backward: what dense autograd
+    saves.
     """
+    from twell_compile.kernels.dense_act import dense_activation
+
     up = F.linear(x2d, wu, bu)
     pre = up if wg is None else F.linear(x2d, wg, bg)
     m, hidden = pre.shape
     n_tiles, slots = DEFAULT_LAYOUT.n_tiles(hidden), DEFAULT_LAYOUT.slots
     dev = x2d.device
-    active, overflow_rows = _sampled_counts(pre, n_tiles) if measure else (None, None)
-    act = torch.relu(pre)
+    l1_sum = torch.zeros(1, dtype=torch.float32, device=dev) if want_l1 else None
+    h, act = dense_activation(pre, None if wg is None else up, store_act=training, counters=counters, l1=l1_sum)
     del pre  # gated: dense autograd keeps relu(gate), not gate
-    h = act if wg is None else act * up
     out = F.linear(h, wd, bd)
     if training:
         # TwELL buffers of the right shapes with every tile marked overflowed: the backward then
@@ -206,26 +197,9 @@ def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, m
         up_val = torch.empty(packed.val.shape if wg is not None else (0,), dtype=torch.float32, device=dev)
     else:
         packed, up_val = None, None
-    l1 = h.float().abs().sum() / max(1, m) if want_l1 else None
+    l1 = l1_sum[0] / max(1, m) if want_l1 else None
     saved = (act, up, h) if training else None
-    return reference.ForwardResult(out, packed, up_val, None, l1), active, overflow_rows, saved
-
-
-SAMPLE_STRIDE = 16
-
-
-def _sampled_counts(pre: torch.Tensor, n_tiles: int):
-    """Active entries and overflowing rows of ``pre``, estimated from every 16th row."""
-    m, hidden = pre.shape
-    sample = is_active(pre[::SAMPLE_STRIDE])
-    rows = sample.shape[0]
-    pad = n_tiles * DEFAULT_LAYOUT.tile_n - hidden
-    if pad:
-        sample = F.pad(sample, (0, pad))
-    per_tile = sample.view(rows, n_tiles, DEFAULT_LAYOUT.tile_n).sum(-1)
-    scale = m / max(1, rows)
-    overflow = (per_tile > DEFAULT_LAYOUT.slots).any(-1).sum() * scale
-    return per_tile.sum() * scale, overflow
+    return reference.ForwardResult(out, packed, up_val, None, l1), saved
 
 
 def _state_key(t: torch.Tensor) -> Optional[tuple]:

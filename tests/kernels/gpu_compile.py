@@ -31,13 +31,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from twell_compile.kernels import dense_act as DA  # noqa: E402
 from twell_compile.kernels import dense_rows as DR  # noqa: E402
 from twell_compile.kernels import gate_pack as GP  # noqa: E402
 from twell_compile.kernels import sparse_ffn as SF  # noqa: E402
 from twell_compile.kernels import sparse_ffn_bwd as SB  # noqa: E402
 
 ARCHS = {"sm90": GPUTarget("cuda", 90, 32), "sm80": GPUTarget("cuda", 80, 32)}
-TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 # Benchmark shape: D = 2048, H = 5632 (44 TwELL tiles of 128 columns, 16 slots).
 D, SLOTS, TILE_N, NT_P2 = 2048, 16, 128, 64
@@ -166,6 +167,15 @@ def variants(arch: str, full: bool):
                 dict(HAS_B=backward, HAS_COUNT=True, FLAG_OVERFLOW=backward, COUNTERS=not backward, SLOTS=SLOTS,
                      NT_P2=NT_P2, BR=16, BK=256),
                 {"a_bound_ptr": "*fp32", "b_bound_ptr": "*fp32", "flags_ptr": "*u8", "counters_ptr": "*fp64"}))
+
+        # The dense path's activation (fp64 too: float64 FFNs always take the dense path).
+        for act_dtype in ([dtype, torch.float64] if dtype == torch.float32 and not gated else [dtype]):
+            yield f"dense_act {TY[act_dtype]} {'gated' if gated else 'plain'}", (
+                lambda act_dtype=act_dtype, gated=gated: compile_kernel(
+                    DA._dense_act_kernel, target, act_dtype,
+                    dict(GATED=gated, STORE_ACT=gated, COUNT=True, L1=True, FP64=act_dtype == torch.float64,
+                         SLOTS=SLOTS, TILE_N=TILE_N, BM=DA._ROWS),
+                    {"counters_ptr": "*fp64", "l1_ptr": "*fp32"}))
 
         # Backward.
         for place in (False, True):

@@ -83,7 +83,7 @@ def test_dense_backward_on_saved_activations_equals_recomputing():
         wg = wg if gated else None
         dout = torch.randn_like(x)
         scale = torch.tensor(0.3, dtype=torch.float64)
-        res, _, _, saved = cuda_impl._dense_forward(x, wg, wu, wd, None, bu, None, True, False)
+        res, saved = cuda_impl._dense_forward(x, wg, wu, wd, None, bu, None, True, False)
         assert len(saved) == 3
         before = [t.clone() for t in saved]
         kept = cuda_impl._dense_backward(dout, x, wg, wu, wd, None, bu, None, scale, saved)

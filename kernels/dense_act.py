@@ -1,0 +1,132 @@
+"""The dense path's activation in one pass: ``h = relu(gate) · up`` (gated) or ``h = relu(up)``
+(plain), with the call's counters taken on the way.
+
+Eager PyTorch spends two memory passes on this step: ``relu`` reads and writes ``[M, H]``, then
+the product reads two ``[M, H]`` tensors and writes one (5 passes of ``M·H·e`` bytes). This kernel
+reads ``gate`` and ``up`` once and writes ``h`` (3 passes; 4 with ``relu(gate)`` stored for the
+training backward). On the way it counts, per row, the active entries of every ``tile_n``-column
+tile (``not (gate <= 0)``, as ``format.is_active``), so the telemetry gets the exact active count
+and the rows that would overflow a TwELL tile, and, when asked, ``Σ|h|`` for the L1 value.
+
+Arithmetic is eager PyTorch's: ``relu`` keeps NaN, and the product of two 16-bit values is taken in
+fp32 and rounded once to the input dtype (fp64 in fp64), so ``h`` equals ``torch.relu(gate) * up``
+bitwise, up to the sign of zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_tensor
+from .format import DEFAULT_LAYOUT, TwellLayout
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Rows per program: 8 rows x 128 columns of 16-bit values are one 16-byte vector per thread and
+# load at 4 warps. Every row's tiles stay in one program, so a row's overflow flag needs no atomics.
+_ROWS = 8
+
+
+@triton.jit
+def _dense_act_kernel(
+    # pointers
+    pre_ptr, up_ptr, h_ptr, act_ptr, counters_ptr, l1_ptr,
+    # dimensions, row strides (elements)
+    M, H, N_TILES, stride_p, stride_u, stride_h, stride_a,
+    # meta-parameters
+    GATED: tl.constexpr, STORE_ACT: tl.constexpr, COUNT: tl.constexpr, L1: tl.constexpr, FP64: tl.constexpr,
+    SLOTS: tl.constexpr, TILE_N: tl.constexpr, BM: tl.constexpr,
+):
+    """``h[r] = relu(pre[r]) (· up[r])`` for the ``BM`` rows of this program, tile by tile.
+
+    STORE_ACT: also ``act = relu(pre)``. COUNT: ``counters[0] += Σ active``, ``counters[1] += rows
+    with a tile of more than SLOTS active entries`` (float64). L1: ``l1[0] += Σ|h|`` (float32).
+    """
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    r_ok = rows < M
+    rows = rows.to(tl.int64)
+    offs = tl.arange(0, TILE_N)
+    n_active = tl.full([BM], 0, tl.int32)
+    n_over = tl.full([BM], 0, tl.int32)
+    l1 = tl.full([BM], 0.0, tl.float32)
+    for tile in range(0, N_TILES):
+        cols = tile * TILE_N + offs
+        mask = r_ok[:, None] & (cols < H)[None, :]
+        pre = tl.load(pre_ptr + rows[:, None] * stride_p + cols[None, :], mask=mask, other=0.0)
+        act = tl.where(pre <= 0, 0.0, pre).to(pre.dtype)  # relu that keeps NaN, as torch.relu does
+        if GATED:
+            up = tl.load(up_ptr + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+            if FP64:
+                hv = act * up
+            else:  # eager's opmath: fp32 product, one rounding to the input dtype
+                hv = (act.to(tl.float32) * up.to(tl.float32)).to(pre.dtype)
+            if STORE_ACT:
+                tl.store(act_ptr + rows[:, None] * stride_a + cols[None, :], act, mask=mask)
+        else:
+            hv = act
+        tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], hv, mask=mask)
+        if COUNT:
+            active = tl.sum(tl.where(pre <= 0, 0, 1), axis=1)  # not (pre <= 0); masked entries load 0
+            n_active += active
+            n_over += (active > SLOTS).to(tl.int32)
+        if L1:
+            l1 += tl.sum(tl.abs(hv.to(tl.float32)), axis=1)
+    if COUNT:
+        tl.atomic_add(counters_ptr, tl.sum(n_active, axis=0).to(tl.float64))
+        tl.atomic_add(counters_ptr + 1, tl.sum((n_over > 0).to(tl.int32), axis=0).to(tl.float64))
+    if L1:
+        tl.atomic_add(l1_ptr, tl.sum(l1, axis=0))
+
+
+def dense_activation(
+    pre: torch.Tensor,
+    up: Optional[torch.Tensor] = None,
+    *,
+    store_act: bool = False,
+    counters: Optional[torch.Tensor] = None,
+    l1: Optional[torch.Tensor] = None,
+    layout: TwellLayout = DEFAULT_LAYOUT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, act)`` of a dense FFN's hidden layer: ``act = relu(pre)``, ``h = act · up`` (gated) or
+    ``h = act`` (plain, ``up=None``), in ``pre``'s dtype, as eager ``torch.relu(pre) * up``.
+
+    Args:
+        pre: ``[M, H]`` gate pre-activation (gated) or up pre-activation (plain), float16/bfloat16/
+            float32/float64.
+        up: ``[M, H]`` up projection of a gated FFN, same dtype and device; None for a plain one.
+        store_act: gated only: also write ``act`` (the training backward needs it). Otherwise the
+            returned ``act`` is ``h`` (plain) or None (gated).
+        counters: float64 ``[2]`` on the same device (``telemetry.counters``): receives
+            ``+= (active entries, rows with a tile of more than layout.slots active entries)``.
+        l1: float32 ``[1]`` on the same device: receives ``+= Σ|h|``.
+        layout: the TwELL tiles the overflow count is taken over.
+    """
+    if not isinstance(pre, torch.Tensor) or pre.dim() != 2:
+        raise ValueError(f"pre must be a 2-D tensor [M, H], got {getattr(pre, 'shape', type(pre).__name__)}")
+    m, h = pre.shape
+    dev = pre.device
+    check_tensor("pre", pre, (m, h), _DTYPES, dev)
+    gated = up is not None
+    if gated:
+        check_tensor("up", up, (m, h), (pre.dtype,), dev)
+    if counters is not None:
+        check_tensor("counters", counters, (2,), (torch.float64,), dev)
+    if l1 is not None:
+        check_tensor("l1", l1, (1,), (torch.float32,), dev)
+    store_act = store_act and gated
+    pre = pre if pre.stride(-1) == 1 else pre.contiguous()
+    up = pre if not gated else (up if up.stride(-1) == 1 else up.contiguous())
+    hid = torch.empty(m, h, dtype=pre.dtype, device=dev)
+    act = torch.empty(m, h, dtype=pre.dtype, device=dev) if store_act else None
+    if m and h:
+        _dense_act_kernel[(triton.cdiv(m, _ROWS),)](
+            pre, up, hid, hid if act is None else act, pre if counters is None else counters,
+            pre if l1 is None else l1,
+            m, h, layout.n_tiles(h), pre.stride(0), up.stride(0), hid.stride(0), hid.stride(0) if act is None else act.stride(0),
+            GATED=gated, STORE_ACT=store_act, COUNT=counters is not None, L1=l1 is not None,
+            FP64=pre.dtype == torch.float64, SLOTS=layout.slots, TILE_N=layout.tile_n, BM=_ROWS, num_warps=4,
+        )
+    return hid, (act if gated else hid)

@@ -1,0 +1,130 @@
+"""kernels/dense_act.py: the dense path's ``relu(gate) · up`` pass and the counters it takes.
+
+Oracles: eager ``torch.relu(pre) * up`` (bitwise; under the interpreter bf16 within one rounding,
+since its fp32 -> bf16 cast truncates where the GPU rounds to nearest even), ``format.is_active``
+per TwELL tile for the counts, and ``Σ|h|`` in float64 for the L1 value.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before the kernel modules are imported (DESIGN.md section 9)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from twell_compile.kernels.dense_act import dense_activation  # noqa: E402
+from twell_compile.kernels.format import TwellLayout, is_active  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _operands(m, h, dtype, density, seed, specials):
+    gen = torch.Generator().manual_seed(seed)
+    pre = torch.randn(m, h, generator=gen).abs() * torch.where(torch.rand(m, h, generator=gen) < density, 1.0, -1.0)
+    up = torch.randn(m, h, generator=gen)
+    if specials and m and h:
+        pre[0, 0] = float("nan")  # active: relu(NaN) is NaN
+        pre[-1, -1] = 0.0  # inactive
+        up[m // 2, h // 2] = float("inf")
+        pre[m // 2, h // 2] = 1.0  # inf · active
+        if h > 1:
+            pre[-1, 0] = float("-inf")
+            up[0, 1] = float("nan")  # NaN · (maybe) inactive
+    return pre.to(dtype), up.to(dtype)
+
+
+def _expected_counts(pre, layout):
+    m, h = pre.shape
+    act = is_active(pre.cpu().double())
+    pad = layout.n_tiles(h) * layout.tile_n - h
+    per_tile = torch.nn.functional.pad(act, (0, pad)).view(m, layout.n_tiles(h), layout.tile_n).sum(-1)
+    return float(act.sum()), float((per_tile > layout.slots).any(-1).sum())
+
+
+def _assert_h(got, want, dtype):
+    bf16_interpreted = dtype == torch.bfloat16 and INTERPRETED
+    torch.testing.assert_close(got.cpu(), want, rtol=2**-7 if bf16_interpreted else 0, atol=0, equal_nan=True)
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(0, 40), h=st.integers(1, 300), dtype=st.sampled_from(DTYPES), gated=st.booleans(),
+       store_act=st.booleans(), density=st.sampled_from([0.0, 0.02, 0.15, 0.5, 1.0]), specials=st.booleans(),
+       seed=st.integers(0, 2**16))
+@example(m=9, h=256, dtype=torch.bfloat16, gated=True, store_act=True, density=1.0, specials=True, seed=0)
+@example(m=1, h=1, dtype=torch.float32, gated=False, store_act=False, density=0.0, specials=False, seed=0)
+def test_matches_eager_relu_times_up_and_counts_every_entry(m, h, dtype, gated, store_act, density, specials, seed):
+    """Any M and H (tails of a 128-column tile), every dtype, no / all / some active, NaN and Inf,
+    rows whose tiles overflow the 16 slots."""
+    layout = TwellLayout()
+    pre, up = _operands(m, h, dtype, density, seed, specials)
+    counters = torch.full((2,), 5.0, dtype=torch.float64, device=DEV)  # the kernel adds to it
+    l1 = torch.zeros(1, dtype=torch.float32, device=DEV)
+    hid, act = dense_activation(pre.to(DEV), up.to(DEV) if gated else None, store_act=store_act,
+                                counters=counters, l1=l1, layout=layout)
+    relu = torch.relu(pre)
+    want = relu * up if gated else relu
+    _assert_h(hid, want, dtype)
+    assert hid.dtype == dtype and hid.shape == (m, h)
+    if gated and store_act:
+        assert torch.equal(act.cpu().nan_to_num(), relu.nan_to_num())
+    elif gated:
+        assert act is None
+    else:
+        assert act is hid
+    active, over = _expected_counts(pre, layout)
+    assert counters.tolist() == [5.0 + active, 5.0 + over]
+    want_l1 = want.double().abs().sum()
+    if torch.isfinite(want_l1):
+        assert torch.allclose(l1.cpu().double(), want_l1, rtol=1e-4, atol=1e-4)
+    else:
+        assert not torch.isfinite(l1).item()
+
+
+def test_small_layout_counts_overflow_per_tile():
+    """A 4-column tile with 2 slots: a row overflows when one of its tiles has 3 active entries,
+    not when the row as a whole has many."""
+    layout = TwellLayout(tile_n=4, slots=2)
+    pre = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0],  # 4 active, 2 per tile: no
+                        [1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0, -1.0],  # 3 in the first tile: yes
+                        [-1.0] * 7 + [float("nan")]])  # NaN counts as active
+    counters = torch.zeros(2, dtype=torch.float64, device=DEV)
+    hid, act = dense_activation(pre.to(DEV), counters=counters, layout=layout)
+    assert counters.tolist() == [8.0, 1.0]
+    assert torch.equal(hid.cpu().nan_to_num(), torch.relu(pre).nan_to_num())
+
+
+def test_bad_arguments_name_the_argument():
+    pre = torch.zeros(4, 6, device=DEV)
+    with pytest.raises(ValueError, match="pre must be a 2-D"):
+        dense_activation(pre[0])
+    with pytest.raises(TypeError, match="up must have dtype"):
+        dense_activation(pre, pre.half())
+    with pytest.raises(ValueError, match="up must have shape"):
+        dense_activation(pre, pre[:2])
+    with pytest.raises(TypeError, match="counters must have dtype"):
+        dense_activation(pre, counters=torch.zeros(2, device=DEV))
+    with pytest.raises(TypeError, match="pre must have dtype"):
+        dense_activation(pre.int())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_benchmark_shape_is_bitwise_eager(dtype):
+    """M=16384, H=5632 at ~2% density: bitwise equal to eager, exact counts."""
+    pre, up = _operands(16384, 5632, dtype, 0.02, 1, True)
+    pre, up = pre.cuda(), up.cuda()
+    counters = torch.zeros(2, dtype=torch.float64, device="cuda")
+    hid, act = dense_activation(pre, up, store_act=True, counters=counters)
+    relu = torch.relu(pre)
+    torch.testing.assert_close(hid, relu * up, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(act, relu, rtol=0, atol=0, equal_nan=True)
+    assert counters.tolist() == list(_expected_counts(pre, TwellLayout()))
