@@ -1,5 +1,8 @@
-"""The dense path's activation in one pass: ``h = relu(gate) · up`` (gated) or ``h = relu(up)``
-(plain), with the call's counters taken on the way.
+"""The dense path's element-wise steps, one memory pass each way.
+
+Forward (``dense_activation``): ``h = relu(gate) · up`` (gated) or ``h = relu(up)`` (plain), with
+the call's counters taken on the way. Backward (``dense_activation_backward``): the L1 term added
+to ``dh``, then ``d_gate`` and ``d_up``.
 
 Eager PyTorch spends two memory passes on this step: ``relu`` reads and writes ``[M, H]``, then
 the product reads two ``[M, H]`` tensors and writes one (5 passes of ``M·H·e`` bytes). This kernel
@@ -8,9 +11,15 @@ training backward). On the way it counts, per row, the active entries of every `
 tile (``not (gate <= 0)``, as ``format.is_active``), so the telemetry gets the exact active count
 and the rows that would overflow a TwELL tile, and, when asked, ``Σ|h|`` for the L1 value.
 
-Arithmetic is eager PyTorch's: ``relu`` keeps NaN, and the product of two 16-bit values is taken in
-fp32 and rounded once to the input dtype (fp64 in fp64), so ``h`` equals ``torch.relu(gate) * up``
-bitwise, up to the sign of zeros.
+The backward's eager form, ``dh.addcmul_(sign(h), coef)``, ``threshold_backward(dh * up, act, 0)``
+and ``dh.mul_(act)``, makes ~14 passes over ``[M, H]`` tensors (``sign`` and every product
+materialise one); ``dense_activation_backward`` reads ``dh``, ``h``, ``up`` and ``act`` once and
+writes ``d_gate`` and ``d_up`` (6 passes), ``d_up`` into ``dh``'s storage as eager does.
+
+Arithmetic is eager PyTorch's: ``relu`` keeps NaN, ``sign(NaN)`` is 0, ``threshold_backward``
+zeroes the gradient where ``act <= 0``, and each element-wise op on 16-bit values is taken in fp32
+and rounded once to the input dtype (fp64 in fp64), so the results equal eager's bitwise, up to
+the sign of zeros.
 """
 
 from __future__ import annotations
@@ -130,3 +139,75 @@ def dense_activation(
             FP64=pre.dtype == torch.float64, SLOTS=layout.slots, TILE_N=layout.tile_n, BM=_ROWS, num_warps=4,
         )
     return hid, (act if gated else hid)
+
+
+@triton.jit
+def _dense_act_backward_kernel(
+    dh_ptr, h_ptr, up_ptr, act_ptr, coef_ptr, dgate_ptr, N,
+    GATED: tl.constexpr, FP64: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Over ``N`` contiguous elements: ``dh += sign(h) · coef`` (rounded to the dtype), then gated
+    ``d_gate = 0 if act <= 0 else dh · up`` and ``d_up = dh · act`` (into ``dh``), plain
+    ``d_up = 0 if act <= 0 else dh`` (into ``dh``)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    compute = tl.float64 if FP64 else tl.float32
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0)
+    dtype = dh.dtype
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0)
+    act = tl.load(act_ptr + offs, mask=mask, other=0.0)
+    sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0)).to(compute)  # sign(NaN) = 0, as torch.sign
+    coef = tl.load(coef_ptr).to(compute)
+    dh = (dh.to(compute) + sign * coef).to(dtype)  # addcmul_: one rounding
+    if GATED:
+        up = tl.load(up_ptr + offs, mask=mask, other=0.0)
+        d_gate = tl.where(act <= 0, 0.0, (dh.to(compute) * up.to(compute)).to(dtype)).to(dtype)
+        tl.store(dgate_ptr + offs, d_gate, mask=mask)
+        d_up = (dh.to(compute) * act.to(compute)).to(dtype)
+    else:
+        d_up = tl.where(act <= 0, 0.0, dh).to(dtype)
+    tl.store(dh_ptr + offs, d_up, mask=mask)
+
+
+def dense_activation_backward(
+    dh: torch.Tensor, h: torch.Tensor, act: torch.Tensor, coef: torch.Tensor, up: Optional[torch.Tensor] = None,
+) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """``(d_gate, d_up)`` of the dense FFN's hidden layer, as dense autograd of
+    ``loss + coef · Σ|h|`` computes them from ``dh = dout @ Wd``:
+
+    * ``dh += sign(h) · coef``;
+    * gated (``up`` given): ``d_gate = threshold_backward(dh · up, act, 0)``, ``d_up = dh · act``;
+    * plain: ``d_up = threshold_backward(dh, act, 0)``, and ``d_gate`` is None.
+
+    ``d_up`` is written into ``dh``'s storage (it is returned as ``dh``).
+
+    Args:
+        dh: ``[M, H]`` contiguous, float16/bfloat16/float32/float64; overwritten.
+        h, act: ``[M, H]`` forward's ``h`` and ``relu(pre)``, dh's dtype (plain: the same tensor).
+        coef: 0-d tensor of dh's dtype on its device: the L1 gradient's scale per ``|h|``.
+        up: ``[M, H]`` up projection of a gated FFN; None for a plain one.
+    """
+    if not isinstance(dh, torch.Tensor) or dh.dim() != 2:
+        raise ValueError(f"dh must be a 2-D tensor [M, H], got {getattr(dh, 'shape', type(dh).__name__)}")
+    m, hid = dh.shape
+    dev = dh.device
+    check_tensor("dh", dh, (m, hid), _DTYPES, dev)
+    if not dh.is_contiguous():
+        raise ValueError("dh must be contiguous: d_up is written into it")
+    check_tensor("h", h, (m, hid), (dh.dtype,), dev)
+    check_tensor("act", act, (m, hid), (dh.dtype,), dev)
+    check_tensor("coef", coef, (), (dh.dtype,), dev)
+    gated = up is not None
+    if gated:
+        check_tensor("up", up, (m, hid), (dh.dtype,), dev)
+    h, act = h.contiguous(), act.contiguous()
+    up = up.contiguous() if gated else dh
+    d_gate = torch.empty_like(dh) if gated else None
+    n = dh.numel()
+    if n:
+        block = 2048
+        _dense_act_backward_kernel[(triton.cdiv(n, block),)](
+            dh, h, up, act, coef, dh if d_gate is None else d_gate, n,
+            GATED=gated, FP64=dh.dtype == torch.float64, BLOCK=block, num_warps=8,
+        )
+    return d_gate, dh

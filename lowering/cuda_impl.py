@@ -282,12 +282,15 @@ def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> re
     """Dense autograd's formulas in the input dtype, on the forward's ``saved = (act, up, h)``,
     or on them recomputed from ``x`` when the forward kept none.
 
-    ``threshold_backward`` is ReLU's own backward (``0 where act <= 0``, NaN passes), and the L1
-    scale is cast to the input dtype first, as autograd's scalar gradient is: mixed-dtype
-    elementwise kernels are not vectorised and cost ~3x more on the H200. Each ``[M, H]`` tensor
-    is dropped as soon as it is used for the last time (autograd frees saved tensors node by
-    node), and ``dh`` becomes ``d_up`` in place, so the peak stays near dense autograd's.
+    The element-wise steps (L1 term, ReLU's ``threshold_backward``: ``0 where act <= 0``, NaN
+    passes, and the products) run as one pass, ``dense_act.dense_activation_backward``, bitwise
+    eager's result; the L1 scale is cast to the input dtype first, as autograd's scalar gradient
+    is. Each ``[M, H]`` tensor is dropped as soon as it is used for the last time (autograd frees
+    saved tensors node by node), and ``dh`` becomes ``d_up`` in place, so the peak stays near
+    dense autograd's.
     """
+    from twell_compile.kernels.dense_act import dense_activation_backward
+
     gated = wg is not None
     if saved is not None:
         act, up, h = saved
@@ -298,20 +301,11 @@ def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> re
         h = act * up if gated else act
     coef = (l1_scale / max(1, x.shape[0])).to(x.dtype)
     dh = dout @ wd
-    dh.addcmul_(torch.sign(h), coef)
     dwd = dout.T @ h
-    del h
-    threshold_backward = torch.ops.aten.threshold_backward
-    if gated:
-        d_gate = threshold_backward(dh * up, act, 0)
-        del up
-        d_up = dh.mul_(act)  # dh is not read again
-        dx = torch.addmm(d_gate @ wg, d_up, wu)
-    else:
-        d_gate = None
-        d_up = threshold_backward(dh, act, 0)
-        dx = d_up @ wu
-    del act, dh
+    # dh += sign(h)·coef, then d_gate and d_up (into dh's storage), in one pass
+    d_gate, d_up = dense_activation_backward(dh, h, act, coef, up if gated else None)
+    del h, up, act, dh
+    dx = torch.addmm(d_gate @ wg, d_up, wu) if gated else d_up @ wu
     return reference.Grads(
         dx=dx,
         dwg=d_gate.T @ x if gated else None,

@@ -176,6 +176,11 @@ def variants(arch: str, full: bool):
                     dict(GATED=gated, STORE_ACT=gated, COUNT=True, L1=True, FP64=act_dtype == torch.float64,
                          SLOTS=SLOTS, TILE_N=TILE_N, BM=DA._ROWS),
                     {"counters_ptr": "*fp64", "l1_ptr": "*fp32"}))
+            yield f"dense_act_backward {TY[act_dtype]} {'gated' if gated else 'plain'}", (
+                lambda act_dtype=act_dtype, gated=gated: compile_kernel(
+                    DA._dense_act_backward_kernel, target, act_dtype,
+                    dict(GATED=gated, FP64=act_dtype == torch.float64, BLOCK=2048), {"dgate_ptr": f"*{TY[act_dtype]}"},
+                    num_warps=8))
 
         # Backward.
         for place in (False, True):

@@ -1,8 +1,9 @@
-"""kernels/dense_act.py: the dense path's ``relu(gate) · up`` pass and the counters it takes.
+"""kernels/dense_act.py: the dense path's element-wise passes, forward (``relu(gate) · up`` and
+the counters it takes) and backward (L1 term, ``d_gate``, ``d_up``).
 
-Oracles: eager ``torch.relu(pre) * up`` (bitwise; under the interpreter bf16 within one rounding,
-since its fp32 -> bf16 cast truncates where the GPU rounds to nearest even), ``format.is_active``
-per TwELL tile for the counts, and ``Σ|h|`` in float64 for the L1 value.
+Oracles: the eager PyTorch ops they replace (bitwise; under the interpreter bf16 within a rounding
+or two, since its fp32 -> bf16 cast truncates where the GPU rounds to nearest even),
+``format.is_active`` per TwELL tile for the counts, and ``Σ|h|`` in float64 for the L1 value.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest  # noqa: E402
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from twell_compile.kernels.dense_act import dense_activation  # noqa: E402
+from twell_compile.kernels.dense_act import dense_activation, dense_activation_backward  # noqa: E402
 from twell_compile.kernels.format import TwellLayout, is_active  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,9 +50,10 @@ def _expected_counts(pre, layout):
     return float(act.sum()), float((per_tile > layout.slots).any(-1).sum())
 
 
-def _assert_h(got, want, dtype):
+def _assert_h(got, want, dtype, roundings=1):
     bf16_interpreted = dtype == torch.bfloat16 and INTERPRETED
-    torch.testing.assert_close(got.cpu(), want, rtol=2**-7 if bf16_interpreted else 0, atol=0, equal_nan=True)
+    rtol = roundings * 2**-7 if bf16_interpreted else 0
+    torch.testing.assert_close(got.cpu(), want, rtol=rtol, atol=rtol * 1e-3, equal_nan=True)
 
 
 @settings(max_examples=20, deadline=None)
@@ -101,6 +103,44 @@ def test_small_layout_counts_overflow_per_tile():
     assert torch.equal(hid.cpu().nan_to_num(), torch.relu(pre).nan_to_num())
 
 
+def _eager_backward(dh, h, act, coef, up):
+    """What ``cuda_impl._dense_backward`` ran before the fused pass: dense autograd's ops."""
+    dh = dh.clone()
+    dh.addcmul_(torch.sign(h), coef)
+    threshold_backward = torch.ops.aten.threshold_backward
+    if up is None:
+        return None, threshold_backward(dh, act, 0)
+    return threshold_backward(dh * up, act, 0), dh.mul_(act)
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(0, 40), h=st.integers(1, 300), dtype=st.sampled_from(DTYPES), gated=st.booleans(),
+       density=st.sampled_from([0.0, 0.02, 0.5, 1.0]), specials=st.booleans(), coef=st.sampled_from([0.0, 1e-3, 0.25]),
+       seed=st.integers(0, 2**16))
+@example(m=5, h=130, dtype=torch.bfloat16, gated=True, density=0.5, specials=True, coef=0.25, seed=0)
+def test_backward_matches_eager_l1_threshold_and_products(m, h, dtype, gated, density, specials, coef, seed):
+    """Every dtype and shape; NaN and Inf in the forward's values and in ``dh``; h of both signs and 0."""
+    pre, up = _operands(m, h, dtype, density, seed, specials)
+    act = torch.relu(pre)
+    hid = act * up if gated else act
+    gen = torch.Generator().manual_seed(seed + 1)
+    dh = torch.randn(m, h, generator=gen).to(dtype)
+    if specials and m and h:
+        dh[-1, 0] = float("inf")
+        dh[0, -1] = float("nan")
+    coef_t = torch.tensor(coef, dtype=dtype)
+    want_gate, want_up = _eager_backward(dh, hid, act, coef_t, up if gated else None)
+    got_dh = dh.to(DEV)
+    d_gate, d_up = dense_activation_backward(got_dh, hid.to(DEV), act.to(DEV), coef_t.to(DEV),
+                                             up.to(DEV) if gated else None)
+    assert d_up.data_ptr() == got_dh.data_ptr()  # written in place, as eager's dh.mul_(act)
+    _assert_h(d_up, want_up, dtype, roundings=2)
+    if gated:
+        _assert_h(d_gate, want_gate, dtype, roundings=2)
+    else:
+        assert d_gate is None
+
+
 def test_bad_arguments_name_the_argument():
     pre = torch.zeros(4, 6, device=DEV)
     with pytest.raises(ValueError, match="pre must be a 2-D"):
@@ -113,6 +153,13 @@ def test_bad_arguments_name_the_argument():
         dense_activation(pre, counters=torch.zeros(2, device=DEV))
     with pytest.raises(TypeError, match="pre must have dtype"):
         dense_activation(pre.int())
+    coef = torch.tensor(0.1, device=DEV)
+    with pytest.raises(ValueError, match="dh must be contiguous"):
+        dense_activation_backward(pre.t(), pre.t(), pre.t(), coef)
+    with pytest.raises(ValueError, match="coef must have shape"):
+        dense_activation_backward(pre, pre, pre, coef.view(1))
+    with pytest.raises(TypeError, match="act must have dtype"):
+        dense_activation_backward(pre, pre, pre.double(), coef)
 
 
 @pytest.mark.gpu
@@ -128,3 +175,20 @@ def test_gpu_benchmark_shape_is_bitwise_eager(dtype):
     torch.testing.assert_close(hid, relu * up, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(act, relu, rtol=0, atol=0, equal_nan=True)
     assert counters.tolist() == list(_expected_counts(pre, TwellLayout()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("gated", [True, False])
+def test_gpu_backward_at_benchmark_shape_is_bitwise_eager(gated):
+    pre, up = _operands(16384, 5632, torch.bfloat16, 0.02, 2, True)
+    pre, up = pre.cuda(), up.cuda()
+    act = torch.relu(pre)
+    hid = act * up if gated else act
+    dh = torch.randn_like(pre)
+    coef = torch.tensor(3e-4, dtype=torch.bfloat16, device="cuda")
+    want_gate, want_up = _eager_backward(dh, hid, act, coef, up if gated else None)
+    d_gate, d_up = dense_activation_backward(dh, hid, act, coef, up if gated else None)
+    torch.testing.assert_close(d_up, want_up, rtol=0, atol=0, equal_nan=True)
+    if gated:
+        torch.testing.assert_close(d_gate, want_gate, rtol=0, atol=0, equal_nan=True)
