@@ -35,9 +35,11 @@ from . import telemetry
 # Below these fractions of active gate units the sparse path is taken: the crossovers measured on
 # the H200 (bf16, D=2048, H=5632, M=16384, docs/benchmarks.md, session 8), forced sparse against
 # dense eager, uniform / skewed neurons. Inference: 1.20x / 1.24x at 0.6%, 1.10x / 1.16x at 0.7%,
-# 1.05x / 1.09x at 0.8%, 1.01x / 1.11x at 0.9%, 0.96x at 1%, against 0.91-0.99x for the dense path.
-# Training (dense path 1.01-1.03x): 1.26x / 1.09x at 0.6%, 1.13x / 1.00x at 0.7%, 1.06x / 0.92x at
-# 0.8%. Each threshold sits below the skewed crossover, with the heavy rows of real models in mind.
+# 1.05x / 1.09x at 0.8%, 1.01x / 1.11x at 0.9%, 0.96x at 1%, against 0.91-0.99x for the dense path
+# (0.97-1.06x since session 11's fused activation). Training: 1.26x / 1.09x at 0.6%, 1.13x / 1.00x
+# at 0.7%, 1.06x / 0.92x at 0.8%, against 1.01-1.03x for the dense path; since session 11's fused
+# passes the dense path is 1.12-1.14x, and forced sparse measured 1.20x / 1.07x at 0.7%. Each
+# threshold sits at or below the skewed crossover, with the heavy rows of real models in mind.
 SPARSE_MAX_DENSITY = {"inference": 0.008, "training": 0.0065}
 # Below this many tokens per call the sparse path is bound by its host time (~1.0 ms per call on
 # the H200's host in session 4: op dispatch, Triton launches, guard and telemetry ops), which dense cuBLAS
