@@ -38,19 +38,14 @@ def ensure(layer: int, device) -> None:
     _buffer(layer, torch.device(device))
 
 
-def record(layer: int, tokens: int, active: Optional[torch.Tensor], dense_rows: Optional[torch.Tensor], l1: Optional[torch.Tensor], sparse: bool, device=None) -> torch.Tensor:
+def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tensor, l1: Optional[torch.Tensor], sparse: bool) -> torch.Tensor:
     """Store one call's counters for ``layer``; all tensor arguments are device scalars.
 
     ``l1=None`` (inference, or a training call that did not measure it) keeps the last value.
-    ``active=None`` (a call that counted nothing; pass ``device``) only counts the call: the
-    other fields, the path included, keep their last values.
+    (The CUDA ops' kernels add their counts into ``counters`` and call ``record_counted``.)
 
-    Returns the layer's buffer (the CUDA dispatch policy copies it to the host asynchronously).
+    Returns the layer's buffer.
     """
-    if active is None:
-        buf = _buffer(layer, torch.device(device))
-        buf[_CALLS] += 1
-        return buf
     buf = _buffer(layer, active.device)
     nan = torch.full((), float("nan"), dtype=torch.float64, device=active.device)
     values = torch.stack(
