@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_tensor
+from .dense_rows import CallRecord, check_record, finish_call, record_without_kernel
 from .format import DEFAULT_LAYOUT, TwellLayout
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -42,17 +43,18 @@ _ROWS = 8
 @triton.jit
 def _dense_act_kernel(
     # pointers
-    pre_ptr, up_ptr, h_ptr, act_ptr, counters_ptr, l1_ptr,
+    pre_ptr, up_ptr, h_ptr, act_ptr, values_ptr, scratch_ptr, l1_ptr,
     # dimensions, row strides (elements)
     M, H, N_TILES, stride_p, stride_u, stride_h, stride_a,
     # meta-parameters
-    GATED: tl.constexpr, STORE_ACT: tl.constexpr, COUNT: tl.constexpr, L1: tl.constexpr, FP64: tl.constexpr,
-    SLOTS: tl.constexpr, TILE_N: tl.constexpr, BM: tl.constexpr,
+    GATED: tl.constexpr, STORE_ACT: tl.constexpr, COUNT: tl.constexpr, FLAG: tl.constexpr, L1: tl.constexpr,
+    FP64: tl.constexpr, SLOTS: tl.constexpr, TILE_N: tl.constexpr, BM: tl.constexpr,
 ):
     """``h[r] = relu(pre[r]) (· up[r])`` for the ``BM`` rows of this program, tile by tile.
 
-    STORE_ACT: also ``act = relu(pre)``. COUNT: ``counters[0] += Σ active``, ``counters[1] += rows
-    with a tile of more than SLOTS active entries`` (float64). L1: ``l1[0] += Σ|h|`` (float32).
+    STORE_ACT: also ``act = relu(pre)``. COUNT: the call's record (``dense_rows.finish_call``): the
+    active entries, and the rows with a tile of more than SLOTS of them. L1: ``l1[0] += Σ|h|``
+    (float32).
     """
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     r_ok = rows < M
@@ -83,11 +85,11 @@ def _dense_act_kernel(
             n_over += (active > SLOTS).to(tl.int32)
         if L1:
             l1 += tl.sum(tl.abs(hv.to(tl.float32)), axis=1)
-    if COUNT:
-        tl.atomic_add(counters_ptr, tl.sum(n_active, axis=0).to(tl.float64))
-        tl.atomic_add(counters_ptr + 1, tl.sum((n_over > 0).to(tl.int32), axis=0).to(tl.float64))
     if L1:
         tl.atomic_add(l1_ptr, tl.sum(l1, axis=0))
+    if COUNT:
+        finish_call(values_ptr, scratch_ptr, tl.sum(n_active, axis=0), tl.sum((n_over > 0).to(tl.int32), axis=0),
+                    M, FLAG)
 
 
 def dense_activation(
@@ -95,7 +97,7 @@ def dense_activation(
     up: Optional[torch.Tensor] = None,
     *,
     store_act: bool = False,
-    counters: Optional[torch.Tensor] = None,
+    record: Optional[CallRecord] = None,
     l1: Optional[torch.Tensor] = None,
     layout: TwellLayout = DEFAULT_LAYOUT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +110,8 @@ def dense_activation(
         up: ``[M, H]`` up projection of a gated FFN, same dtype and device; None for a plain one.
         store_act: gated only: also write ``act`` (the training backward needs it). Otherwise the
             returned ``act`` is ``h`` (plain) or None (gated).
-        counters: float64 ``[2]`` on the same device (``telemetry.counters``): receives
-            ``+= (active entries, rows with a tile of more than layout.slots active entries)``.
+        record: receives the call's record (``dense_rows.CallRecord``): the active entries and the
+            rows with a tile of more than ``layout.slots`` active entries, in the same launch.
         l1: float32 ``[1]`` on the same device: receives ``+= Σ|h|``.
         layout: the TwELL tiles the overflow count is taken over.
     """
@@ -121,8 +123,8 @@ def dense_activation(
     gated = up is not None
     if gated:
         check_tensor("up", up, (m, h), (pre.dtype,), dev)
-    if counters is not None:
-        check_tensor("counters", counters, (2,), (torch.float64,), dev)
+    if record is not None:
+        check_record(record, dev)
     if l1 is not None:
         check_tensor("l1", l1, (1,), (torch.float32,), dev)
     store_act = store_act and gated
@@ -132,12 +134,15 @@ def dense_activation(
     act = torch.empty(m, h, dtype=pre.dtype, device=dev) if store_act else None
     if m and h:
         _dense_act_kernel[(triton.cdiv(m, _ROWS),)](
-            pre, up, hid, hid if act is None else act, pre if counters is None else counters,
-            pre if l1 is None else l1,
+            pre, up, hid, hid if act is None else act, pre if record is None else record.values,
+            pre if record is None else record.scratch, pre if l1 is None else l1,
             m, h, layout.n_tiles(h), pre.stride(0), up.stride(0), hid.stride(0), hid.stride(0) if act is None else act.stride(0),
-            GATED=gated, STORE_ACT=store_act, COUNT=counters is not None, L1=l1 is not None,
+            GATED=gated, STORE_ACT=store_act, COUNT=record is not None,
+            FLAG=0.0 if record is None else float(record.flag), L1=l1 is not None,
             FP64=pre.dtype == torch.float64, SLOTS=layout.slots, TILE_N=layout.tile_n, BM=_ROWS, num_warps=4,
         )
+    elif record is not None:
+        record_without_kernel(record, m)
     return hid, (act if gated else hid)
 
 

@@ -3,7 +3,7 @@ weights over H.
 
 A few rows of a sparse batch are computed densely: rows with many overflowed tiles, rows of the
 finiteness guard. ``flag_rows`` finds the guard rows in one launch (row norms against bounds from
-the weights, ``guard_bounds``) and can add a call's counts to a telemetry buffer on the way;
+the weights, ``weights.guard_bounds``) and can add a call's counts to a telemetry buffer on the way;
 ``dense_list`` lists the flagged rows on the device. The forward (``sparse_ffn``) and the backward
 (``sparse_ffn_backward``) first write those rows' per-neuron values (``h``; ``dgate`` and ``dup``)
 into an fp32 scratch ``[planes, r_cap, H]``, one ``[16, BH]`` tile per program. This module turns
@@ -15,7 +15,8 @@ D = 2048, H = 5632: a handful of programs each looped over all of H (4.7 ms in t
 in the forward); split, it takes tens of microseconds.
 
 It also holds the small helpers the kernel files share: ``jit_helper``, ``rowmajor``,
-``reduce_sum``/``prefix_sum`` (interpreter-friendly reductions), ``dot`` and ``dot_split``.
+``reduce_sum``/``prefix_sum`` (interpreter-friendly reductions), ``dot`` and ``dot_split``, and
+``CallRecord``/``finish_call``: a launch's counts stored as one call's record by its last program.
 
 Everything runs on the device from ``n_dense`` (an int32 ``[1]`` tensor): no host sync, CUDA-graph
 capturable. List positions past ``n_dense`` cost one early return per program.
@@ -24,7 +25,7 @@ capturable. List positions past ``n_dense`` cost one early return per program.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -78,6 +79,51 @@ def column_mask(offs, D, EVEN: tl.constexpr):
         return offs < D
 
 
+class CallRecord(NamedTuple):
+    """Where a counting kernel stores one call's record: ``values`` fp64 ``[5]`` = (calls, tokens,
+    active entries, dense rows, flag), updated to (calls + 1, M, Σ active, Σ dense, ``flag``) by the
+    launch's last program; ``scratch`` int64 ``[3]`` (two sums and a ticket) is zero before and
+    after each launch, so it is allocated once (zeroed) and reused, also under CUDA-graph replay."""
+
+    values: torch.Tensor
+    scratch: torch.Tensor
+    flag: float
+
+
+def check_record(record: CallRecord, device) -> None:
+    if record.values.shape != (5,) or record.values.dtype != torch.float64 or record.values.device != device:
+        raise ValueError(f"record.values must be float64 [5] on {device}")
+    if record.scratch.shape != (3,) or record.scratch.dtype != torch.int64 or record.scratch.device != device:
+        raise ValueError(f"record.scratch must be int64 [3] on {device}")
+
+
+def record_without_kernel(record: CallRecord, m: int) -> None:
+    """The record of a call whose counting kernel had nothing to launch (no rows or no columns)."""
+    record.values[0] += 1
+    record.values[1].fill_(float(m))
+    record.values[2:4].zero_()
+    record.values[4].fill_(record.flag)
+
+
+@jit_helper
+def finish_call(values_ptr, scratch_ptr, active, dense, M, FLAG: tl.constexpr):
+    """The end of each program of a counting launch (``CallRecord``): add this program's ``active``
+    entries and ``dense`` rows (integer scalars) to ``scratch``; the last program to arrive (a
+    ticket) stores the record and zeroes ``scratch`` again. Integer sums: exact in any order."""
+    tl.atomic_add(scratch_ptr, active.to(tl.int64))
+    tl.atomic_add(scratch_ptr + 1, dense.to(tl.int64))
+    last = tl.num_programs(0) * tl.num_programs(1) - 1
+    if tl.atomic_add(scratch_ptr + 2, 1) == last:  # acq_rel: every other program's sums are in
+        total_active = tl.atomic_xchg(scratch_ptr, 0)
+        total_dense = tl.atomic_xchg(scratch_ptr + 1, 0)
+        tl.atomic_xchg(scratch_ptr + 2, 0)
+        tl.store(values_ptr, tl.load(values_ptr) + 1.0)
+        tl.store(values_ptr + 1, M * tl.full([], 1.0, tl.float64))  # M may be a constexpr (1)
+        tl.store(values_ptr + 2, total_active.to(tl.float64))
+        tl.store(values_ptr + 3, total_dense.to(tl.float64))
+        tl.store(values_ptr + 4, FLAG)
+
+
 def rowmajor(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a contiguous last dimension (a copy only when it is not)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -127,15 +173,15 @@ def _norm_exceeds(t_ptr, bound_ptr, rows, r_ok, D, stride, BR: tl.constexpr, BK:
 @triton.jit
 def _flag_rows_kernel(
     # pointers
-    a_ptr, a_bound_ptr, b_ptr, b_bound_ptr, count_ptr, flags_ptr, counters_ptr,
+    a_ptr, a_bound_ptr, b_ptr, b_bound_ptr, count_ptr, flags_ptr, values_ptr, scratch_ptr,
     # dimensions, row strides (elements)
     M, D, N_TILES, stride_a, stride_b,
     # meta-parameters
-    HAS_B: tl.constexpr, HAS_COUNT: tl.constexpr, FLAG_OVERFLOW: tl.constexpr, COUNTERS: tl.constexpr,
-    SLOTS: tl.constexpr, NT_P2: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+    HAS_B: tl.constexpr, HAS_COUNT: tl.constexpr, FLAG_OVERFLOW: tl.constexpr, RECORD: tl.constexpr,
+    FLAG: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
 ):
     """``flag_rows`` for rows ``BR·pid ...``: norm tests of ``a`` (and ``b``), overflowed tiles of
-    ``count``, and this block's share of the counters (two fp64 atomic adds per program)."""
+    ``count``, and this block's share of the call's record (``finish_call``)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < M
     rows = r.to(tl.int64)
@@ -147,54 +193,36 @@ def _flag_rows_kernel(
         cnt = tl.load(count_ptr + rows[:, None] * N_TILES + tiles[None, :],
                       mask=r_ok[:, None] & (tiles < N_TILES)[None, :], other=0)
         dense = flag | (tl.max(cnt, axis=1) > SLOTS)
-        if COUNTERS:
-            tl.atomic_add(counters_ptr, tl.sum(tl.sum(cnt.to(tl.float64), axis=1), axis=0))
-            tl.atomic_add(counters_ptr + 1, tl.sum((dense & r_ok).to(tl.float64), axis=0))
+        if RECORD:
+            finish_call(values_ptr, scratch_ptr, tl.sum(tl.sum(cnt, axis=1), axis=0),
+                        tl.sum((dense & r_ok).to(tl.int32), axis=0), M, FLAG)
         if FLAG_OVERFLOW:
             flag = dense
     tl.store(flags_ptr + rows, flag.to(tl.uint8), mask=r_ok)
 
 
-def guard_bounds(wg, wu, wd, bg, bu, bd):
-    """``(forward, backward)`` fp32 ``[3]`` bounds for ``flag_rows``: the finiteness guard of
-    ``reference.dense_rows_ref`` on rows of x, and the ``dout`` terms of
-    ``reference.backward_dense_rows_ref`` on rows of dout.
-
-    Gated: ``‖x_t‖·max‖Wu_j‖ + max|bu|`` bounds the up projection and ``‖dout_t‖·max‖Wd[:, j]‖``
-    bounds ``dh``; both must stay below the dtype's largest value. Plain: scale 0, so only a
-    non-finite norm (NaN after ``·0``) flags. A non-finite weight or bias flags every forward row
-    (offset +Inf). Device ops, no host sync.
-    """
-    dev, f32 = wu.device, torch.float32
-    zero = torch.zeros((), dtype=f32, device=dev)
-    finite = torch.stack([torch.isfinite(t).all() for t in (wg, wu, wd, bg, bu, bd) if t is not None]).all()
-    offset = torch.where(finite, zero, float("inf"))
-    limit = torch.full((), torch.finfo(wu.dtype).max, dtype=f32, device=dev)
-    if wg is None:
-        return torch.stack([zero, offset, limit]), torch.stack([zero, zero, limit])
-    up_norm = torch.linalg.vector_norm(wu, dim=-1, dtype=f32).max()
-    if bu is not None:
-        offset = offset + bu.float().abs().max()
-    down_norm = torch.linalg.vector_norm(wd, dim=0, dtype=f32).max()  # columns of Wd
-    return torch.stack([up_norm, offset, limit]), torch.stack([down_norm, zero, limit])
-
-
 def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] = None,
               b_bound: Optional[torch.Tensor] = None, count: Optional[torch.Tensor] = None, *, slots: int = 0,
-              flag_overflow: bool = False, counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+              flag_overflow: bool = False, record: Optional[CallRecord] = None) -> torch.Tensor:
     """bool ``[M]``: the rows to compute densely, in one launch (``reference.flag_rows_ref``).
 
     A row is flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32 norm; NaN and
     Inf flag), the same for ``b`` with ``b_bound``, and, with ``flag_overflow``, when one of its
-    ``count [M, n_tiles]`` entries exceeds ``slots``. ``counters`` (fp64 ``[2]``, with ``count``)
-    receives ``+= (Σ count, rows flagged or overflowed)``: the telemetry of a call, with no extra
-    launch. Bounds are fp32 ``[3]`` device tensors; no host sync.
+    ``count [M, n_tiles]`` entries exceeds ``slots``. ``record`` (with ``count``) receives the
+    call's record (``CallRecord``): ``Σ count`` active entries and the rows flagged or overflowed,
+    with no extra launch. Bounds are fp32 ``[3]`` device tensors; no host sync.
     """
     if (b is None) != (b_bound is None):
         raise ValueError("flag_rows: pass b and b_bound together")
+    if record is not None and count is None:
+        raise ValueError("flag_rows: a record needs count")
     m, d = a.shape
     flags = torch.empty(m, dtype=torch.bool, device=a.device)
+    if record is not None:
+        check_record(record, a.device)
     if m == 0:
+        if record is not None:
+            record_without_kernel(record, m)
         return flags
     a = rowmajor(a)
     b = a if b is None else rowmajor(b)
@@ -203,9 +231,10 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
     br = 16
     _flag_rows_kernel[(triton.cdiv(m, br),)](
         a, a_bound, b, a_bound if b_bound is None else b_bound, cnt, flags.view(torch.uint8),
-        a_bound if counters is None else counters, m, d, n_tiles, a.stride(0), b.stride(0),
+        a_bound if record is None else record.values, a_bound if record is None else record.scratch,
+        m, d, n_tiles, a.stride(0), b.stride(0),
         HAS_B=b_bound is not None, HAS_COUNT=count is not None, FLAG_OVERFLOW=flag_overflow,
-        COUNTERS=counters is not None and count is not None, SLOTS=slots,
+        RECORD=record is not None, FLAG=0.0 if record is None else float(record.flag), SLOTS=slots,
         NT_P2=max(2, triton.next_power_of_2(n_tiles)), BR=br, BK=min(256, max(16, triton.next_power_of_2(d))),
         num_warps=4,
     )

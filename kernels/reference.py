@@ -149,6 +149,24 @@ def _may_overflow(rows: Tensor, weight_rows: Tensor, bias: Optional[Tensor], dty
     return ~(bound < torch.finfo(dtype).max)  # NaN bound → True
 
 
+def guard_bounds_ref(wg, wu, wd, bg, bu, bd):
+    """``weights.guard_bounds`` in tensor ops: ``(forward, backward)`` fp32 ``[3]`` bounds for
+    ``flag_rows_ref``: ``[max‖Wu_j‖, offset, limit]`` and ``[max‖Wd[:, j]‖, 0, limit]`` (gated;
+    plain FFNs get scale 0), where ``offset`` is ``max|bu|`` (gated), or +Inf when any weight or
+    bias is non-finite, and ``limit`` the dtype's largest value. Norms are fp32 sums of squares."""
+    dev, f32 = wu.device, torch.float32
+    zero = torch.zeros((), dtype=f32, device=dev)
+    offset = torch.where(_finite(wg, wu, wd, bg, bu, bd), zero, float("inf"))
+    limit = torch.full((), torch.finfo(wu.dtype).max, dtype=f32, device=dev)
+    if wg is None:
+        return torch.stack([zero, offset, limit]), torch.stack([zero, zero, limit])
+    up_norm = torch.sqrt((wu.to(f32) ** 2).sum(-1)).max()
+    if bu is not None:
+        offset = offset + bu.to(f32).abs().max()
+    down_norm = torch.sqrt((wd.to(f32) ** 2).sum(0)).max()  # columns of Wd
+    return torch.stack([up_norm, offset, limit]), torch.stack([down_norm, zero, limit])
+
+
 def flag_rows_ref(a, a_bound, b=None, b_bound=None, count=None, slots: int = 0, flag_overflow: bool = False):
     """``dense_rows.flag_rows``: ``(flags, (Σ count, rows flagged or overflowed))``. A row is
     flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32), the same for ``b``, and

@@ -63,9 +63,10 @@ latency. With uniformly random neurons no layout reduces the bytes; tokens per p
 when neighbouring tokens share neurons.
 
 ``Wd`` is ``[D, H]`` (``nn.Linear``); its columns are rows of ``Wdᵀ``, so the launcher makes
-``wd.t().contiguous()`` ([H, D]) on every call: ``2·H·D·e`` bytes of copy traffic (46 MB, 75 µs on
-an H200 at D=2048, H=5632). No copy is made when ``wd`` already is the transposed view of a
-contiguous ``[H, D]`` tensor, so a caller that keeps ``Wdᵀ`` can pass ``wdt.t()``.
+``weights.transposed(wd)`` ([H, D], a tiled transpose) on every call: ``2·H·D·e`` bytes of copy
+traffic (46 MB at D=2048, H=5632). No copy is made when ``wd`` already is the transposed view of a
+contiguous ``[H, D]`` tensor, so a caller that keeps ``Wdᵀ`` (as ``lowering.cuda_impl`` does) can
+pass ``wdt.t()``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, column_mask, dense_list, 
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
 from .reference import _finite, _may_overflow
+from .weights import transposed
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -511,7 +513,7 @@ def sparse_ffn(
         dense_rows = guard_rows(x, wg, wu, wd, bg, bu, bd)
     x, wu = rowmajor(x), rowmajor(wu)
     wg = rowmajor(wg) if gated else wu  # plain: never read
-    wdt = wd.t().contiguous()  # [H, D]: column j of Wd as a contiguous row (no copy if wd = wdt.t())
+    wdt = transposed(wd)  # [H, D]: column j of Wd as a contiguous row (no copy if wd = wdt.t())
     idx, val, count = packed.idx.contiguous(), packed.val.contiguous(), packed.count.contiguous()
     dense_rows = dense_rows.contiguous()
     dummy = val  # stands in for absent biases; never read

@@ -61,7 +61,7 @@ Bytes, 16-bit tensors (``e = 2``), ``P`` stored pairs (``a`` per token):
   ``dx`` out) and ``n_tiles·4``.
 * ``_wgrad_kernel``: per pair 2 rows, ``2·D·e`` (8 KiB), from L2 slabs; writes ``3·H·D·e``.
 * lists: ``2·M·n_tiles·4 + 3·P·4`` plus ``H·M/TB·12`` for the counts and their prefix sum.
-* ``Wdᵀ``: the launcher copies ``wd.t().contiguous()`` (``2·H·D·e``) unless ``wd`` already is a
+* ``Wdᵀ``: the launcher copies ``weights.transposed(wd)`` (``2·H·D·e``) unless ``wd`` already is a
   transposed view of a contiguous ``[H, D]`` tensor.
 
 At M = 16384, D = 2048, H = 5632, 0.5 % density (a = 28, P = 0.46 M) that is
@@ -88,6 +88,7 @@ from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
 from .sparse_ffn import first_pair, load_pair, next_pair
+from .weights import transposed
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -699,8 +700,8 @@ def sparse_ffn_backward(
             budget); rows past it are recomputed (exact, slower). Tests use small values.
 
     Returns:
-        ``reference.Grads`` in the input dtypes. ``dwd`` is the transposed view of a contiguous
-        ``[H, D]`` tensor (the layout the reference returns too).
+        ``reference.Grads`` in the input dtypes, each contiguous. ``dwd`` is made from the ``[H, D]``
+        rows of ``dWdᵀ`` the kernel writes by one tiled transpose (``weights.transposed``).
 
     Example::
 
@@ -738,12 +739,12 @@ def sparse_ffn_backward(
         for t in (dx, dwg, dwu, dwdt, dbg, dbu):
             if t is not None:
                 t.zero_()
-        return Grads(dx, dwg, dwu, dwdt.t(), dbg, dbu, dbd)
+        return Grads(dx, dwg, dwu, transposed(dwdt), dbg, dbu, dbd)
 
     scale = (l1_scale.to(torch.float32) / m).reshape(())  # the reference's l1_scale / max(1, M)
     x, dout, wu = rowmajor(x), rowmajor(dout), rowmajor(wu)
     wg_ = rowmajor(wg) if gated else wu
-    wdt = wd.t().contiguous()  # [H, D]: column j of Wd as a contiguous row
+    wdt = transposed(wd)  # [H, D]: column j of Wd as a contiguous row (no copy if wd = wdt.t())
     idx, val, count = packed.idx.contiguous(), packed.val.contiguous(), packed.count.contiguous()
     up = up_val.contiguous() if gated else val
     dense_rows = dense_rows.contiguous()
@@ -806,4 +807,4 @@ def sparse_ffn_backward(
         x.stride(0), dout.stride(0), *w_strides,
         **flags, CR=BR, BK=bk,
     )
-    return Grads(dx, dwg, dwu, dwdt.t(), dbg, dbu, dbd)
+    return Grads(dx, dwg, dwu, transposed(dwdt), dbg, dbu, dbd)

@@ -145,7 +145,7 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     On the dense path the result's ``packed``/``up_val`` are None for inference and ``dense_rows``
     is None; the telemetry then counts the rows that would have overflowed a TwELL tile. On the
     sparse path ``dense_rows`` is computed only on the calls that measure L1 (None otherwise).
-    Either path's kernels add the call's counts straight into the layer's telemetry.
+    Either path's counting kernel stores the call's record in the layer's telemetry itself.
     """
     policy = _policy(layer, x2d.device)
     if FORCE_PATH is None:
@@ -155,23 +155,23 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     sparse = sparse and x2d.dtype != torch.float64
     want_l1 = training and policy.calls % L1_EVERY == 0
     saved = None
-    counters = telemetry.counters(layer, x2d.device)
+    record = telemetry.call_record(layer, x2d.device, sparse)
     if sparse:
-        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, counters)
+        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record)
     else:
-        res, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, counters)
+        res, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record)
     if training:
         _remember(res.packed.count, not sparse, saved)
-    buf = telemetry.record_counted(layer, tokens=x2d.shape[0], l1=res.l1, sparse=sparse, device=x2d.device)
-    policy.after(buf, wu.shape[0])
+    if res.l1 is not None:
+        telemetry.record_l1(layer, res.l1)
+    policy.after(telemetry.buffer(layer, x2d.device), wu.shape[0])
     return res, sparse
 
 
-def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
-                   counters: Optional[torch.Tensor] = None):
+def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, record=None):
     """The dense FFN in the input dtype (exactly what the rewrite replaced), with ``relu(gate) · up``
-    in one pass (``dense_act.dense_activation``) that adds the call's active entries and the rows
-    that would overflow a TwELL tile to ``counters`` (telemetry's fp64 ``[2]``).
+    in one pass (``dense_act.dense_activation``) that stores the call's ``record`` (telemetry's
+    ``call_record``): its active entries and the rows that would overflow a TwELL tile.
 
     Returns the result and, in training, ``(act, up, h)`` for the backward: what dense autograd
     saves.
@@ -184,7 +184,7 @@ def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
     n_tiles, slots = DEFAULT_LAYOUT.n_tiles(hidden), DEFAULT_LAYOUT.slots
     dev = x2d.device
     l1_sum = torch.zeros(1, dtype=torch.float32, device=dev) if want_l1 else None
-    h, act = dense_activation(pre, None if wg is None else up, store_act=training, counters=counters, l1=l1_sum)
+    h, act = dense_activation(pre, None if wg is None else up, store_act=training, record=record, l1=l1_sum)
     del pre  # gated: dense autograd keeps relu(gate), not gate
     out = F.linear(h, wd, bd)
     if training:
@@ -217,34 +217,37 @@ def _state_key(t: torch.Tensor) -> Optional[tuple]:
 class _DownRows:
     """``Wdᵀ`` as a contiguous ``[H, D]`` copy, kept per down weight while it is unchanged.
 
-    The sparse kernels read columns of ``Wd`` as rows; copying them costs 75 µs per call at
-    D=2048, H=5632 on the H200 (5% of the sparse FFN). One copy per weight is kept (the reference
-    implementation keeps the same), keyed by the tensor itself, its shape and its in-place version
-    counter, and freed with the weight. Under CUDA-graph capture, or for inference-mode tensors
-    (no version counter), the copy is made on every call.
+    The sparse kernels read columns of ``Wd`` as rows. The copy (``weights.transposed``, a tiled
+    transpose) is made again after every change of the weight: each optimizer step, and on every
+    call under CUDA-graph capture or for inference-mode tensors (no version counter), where nothing
+    can notice a change. One copy per weight is kept (the reference implementation keeps the same),
+    keyed by the tensor itself, its shape and its in-place version counter, and freed with the
+    weight.
     """
 
     _cache: "dict[int, tuple]" = {}
 
     @classmethod
     def get(cls, wd: torch.Tensor) -> torch.Tensor:
+        from twell_compile.kernels.weights import transposed
+
         if wd.t().is_contiguous():
             return wd
         state = _state_key(wd)
         if state is None or _capturing():
-            return wd.t().contiguous().t()
+            return transposed(wd).t()
         key = id(wd)
         hit = cls._cache.get(key)
         if hit is not None and hit[0]() is wd and hit[1] == state:
             return hit[2]
-        rows = wd.t().contiguous().t()
+        rows = transposed(wd).t()
         cls._cache[key] = (weakref.ref(wd, lambda _, k=key: cls._cache.pop(k, None)), state, rows)
         return rows
 
 
 def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
-                    counters: Optional[torch.Tensor] = None) -> reference.ForwardResult:
-    """The sparse path. ``counters`` (telemetry's fp64 ``[2]``) receives the active entries and
+                    record=None) -> reference.ForwardResult:
+    """The sparse path. ``record`` (telemetry's ``call_record``) receives the active entries and
     the rows computed densely. ``dense_rows`` of the result is computed only with ``want_l1``
     (the L1 value needs it); it is None otherwise."""
     from twell_compile.kernels.gate_pack import gate_pack
@@ -252,7 +255,7 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
 
     gated = wg is not None
     packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
-    guard = _guard_rows(x2d, wg, wu, wd, bg, bu, bd, packed.count, counters)
+    guard = _guard_rows(x2d, wg, wu, wd, bg, bu, bd, packed.count, record)
     wd_rows = _DownRows.get(wd)
     if training:  # the backward needs the up values at the stored pairs
         out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, dense_rows=guard, wg=wg, bg=bg, return_up=True)
@@ -326,7 +329,7 @@ def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> re
 
 class _WeightFacts:
     """Per-call facts about the weights, cached while the weights are unchanged: the guard's
-    bounds for ``dense_rows.flag_rows`` (``dense_rows.guard_bounds``).
+    bounds for ``dense_rows.flag_rows`` (``weights.guard_bounds``, one pass over the weights).
 
     The key holds each tensor's ``_state_key`` (storage pointer and in-place version counter), so an
     optimizer step invalidates it. Under CUDA-graph capture nothing is cached: the facts
@@ -337,7 +340,7 @@ class _WeightFacts:
 
     @classmethod
     def get(cls, wg, wu, wd, bg, bu, bd):
-        from twell_compile.kernels.dense_rows import guard_bounds
+        from twell_compile.kernels.weights import guard_bounds
 
         tensors = (wg, wu, wd, bg, bu, bd)
         states = [None if t is None else _state_key(t) for t in tensors]
@@ -354,19 +357,19 @@ class _WeightFacts:
         return facts
 
 
-def _guard_rows(x, wg, wu, wd, bg, bu, bd, count=None, counters=None) -> torch.Tensor:
+def _guard_rows(x, wg, wu, wd, bg, bu, bd, count=None, record=None) -> torch.Tensor:
     """bool [M]: rows the forward computes densely besides overflowed tiles, in one kernel that
     reads x once (``dense_rows.flag_rows``).
 
     A non-finite row has a non-finite norm, and for gated FFNs ``‖x_t‖·max‖Wu_j‖ + max|bu|``
     bounds the up projection (a huge finite row is flagged too, which only costs speed). With
-    ``count`` (the TwELL counts), the kernel also adds the call's active entries and dense rows
-    (guard or overflow) to ``counters``.
+    ``count`` (the TwELL counts), the kernel also stores the call's ``record``: its active entries
+    and dense rows (guard or overflow).
     """
     from twell_compile.kernels.dense_rows import flag_rows
 
     forward_bound, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd)
-    return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, counters=counters)
+    return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record)
 
 
 def _backward_guard_rows(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Per-layer counters the ops write on the device, read by ``twell_compile.stats()`` off the hot path.
 
-Every op call overwrites its layer's small float64 buffer in place with device-side tensor ops: no
-host synchronisation, and CUDA-graph capture simply replays the writes. Reading the buffers
-(``snapshot``) synchronises, which is why only ``stats()`` does it.
+Every op call overwrites its layer's small float64 buffer in place on the device: on CUDA the
+op's counting kernel stores the call's record itself (``call_record``), on the CPU reference path
+tensor ops do (``record``). No host synchronisation, and CUDA-graph capture simply replays the
+writes. Reading the buffers (``snapshot``) synchronises, which is why only ``stats()`` does it.
 """
 
 from __future__ import annotations
@@ -12,24 +13,36 @@ from typing import Optional
 
 import torch
 
-# Buffer layout, one float64 per field.
-FIELDS = ("calls", "tokens", "active", "dense_rows", "l1", "sparse")
-_CALLS, _TOKENS, _ACTIVE, _DENSE_ROWS, _L1, _SPARSE = range(len(FIELDS))
+# Buffer layout, one float64 per field. The first five are a kernel's call record
+# (``kernels.dense_rows.CallRecord``: calls, tokens, active, dense rows, flag = sparse).
+FIELDS = ("calls", "tokens", "active", "dense_rows", "sparse", "l1")
+_CALLS, _TOKENS, _ACTIVE, _DENSE_ROWS, _SPARSE, _L1 = range(len(FIELDS))
 
 _lock = threading.Lock()
-_buffers: dict[tuple[int, str], torch.Tensor] = {}
+# (layer, device) -> (buffer, the record's int64 [3] scratch: zero between kernel launches)
+_buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _state(layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (layer, str(device))
+    state = _buffers.get(key)
+    if state is None:
+        with _lock:
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():  # real buffers, even mid-compile
+                fresh = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
+                fresh[_L1] = float("nan")  # no training call yet
+                scratch = torch.zeros(3, dtype=torch.int64, device=device)
+            state = _buffers.setdefault(key, (fresh, scratch))
+    return state
 
 
 def _buffer(layer: int, device: torch.device) -> torch.Tensor:
-    key = (layer, str(device))
-    buf = _buffers.get(key)
-    if buf is None:
-        with _lock:
-            with torch._subclasses.fake_tensor.unset_fake_temporarily():  # a real buffer, even mid-compile
-                fresh = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
-                fresh[_L1] = float("nan")  # no training call yet
-            buf = _buffers.setdefault(key, fresh)
-    return buf
+    return _state(layer, device)[0]
+
+
+def buffer(layer: int, device) -> torch.Tensor:
+    """The layer's float64 buffer, one value per ``FIELDS`` entry (written on the device)."""
+    return _buffer(layer, torch.device(device))
 
 
 def ensure(layer: int, device) -> None:
@@ -42,7 +55,7 @@ def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tens
     """Store one call's counters for ``layer``; all tensor arguments are device scalars.
 
     ``l1=None`` (inference, or a training call that did not measure it) keeps the last value.
-    (The CUDA ops' kernels add their counts into ``counters`` and call ``record_counted``.)
+    (The CUDA ops' kernels store their record themselves: ``call_record``.)
 
     Returns the layer's buffer.
     """
@@ -54,33 +67,27 @@ def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tens
             torch.full_like(nan, float(tokens)),
             active.to(torch.float64),
             dense_rows.to(torch.float64),
-            buf[_L1] if l1 is None else l1.detach().to(torch.float64),  # None: keep the last value
             torch.full_like(nan, 1.0 if sparse else 0.0),
+            buf[_L1] if l1 is None else l1.detach().to(torch.float64),  # None: keep the last value
         ]
     )
     buf.copy_(values)
     return buf
 
 
-def counters(layer: int, device) -> torch.Tensor:
-    """The layer's ``active`` and ``dense_rows`` fields, zeroed, as a float64 ``[2]`` view: a
-    kernel adds this call's counts into it (``dense_rows.flag_rows``), then ``record_counted``
-    stores the rest of the call."""
-    view = _buffer(layer, torch.device(device))[_ACTIVE:_DENSE_ROWS + 1]
-    view.zero_()
-    return view
+def call_record(layer: int, device, sparse: bool):
+    """Where the CUDA ops' counting kernel (``flag_rows`` on the sparse path, ``dense_activation``
+    on the dense one) stores this call's calls, tokens, active entries, dense rows and path, in
+    the launch it makes anyway: no tensor op of its own."""
+    from twell_compile.kernels.dense_rows import CallRecord
+
+    buf, scratch = _state(layer, torch.device(device))
+    return CallRecord(buf[_CALLS:_SPARSE + 1], scratch, 1.0 if sparse else 0.0)
 
 
-def record_counted(layer: int, tokens: int, l1: Optional[torch.Tensor], sparse: bool, device) -> torch.Tensor:
-    """``record`` for a call whose counts a kernel already added to ``counters(layer, device)``:
-    three small writes instead of building every field."""
-    buf = _buffer(layer, torch.device(device))
-    buf[_CALLS] += 1
-    buf[_TOKENS].fill_(float(tokens))  # fill_, not item assignment: that copies from the host and syncs
-    buf[_SPARSE].fill_(1.0 if sparse else 0.0)
-    if l1 is not None:
-        buf[_L1].copy_(l1.detach())
-    return buf
+def record_l1(layer: int, l1: torch.Tensor) -> None:
+    """Store a measured L1 value (a device scalar) for ``layer``."""
+    _buffer(layer, l1.device)[_L1].copy_(l1.detach())
 
 
 def snapshot() -> dict[int, dict[str, float]]:
@@ -88,7 +95,7 @@ def snapshot() -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
     with _lock:
         items = list(_buffers.items())
-    for (layer, _device), buf in sorted(items, key=lambda kv: kv[0]):
+    for (layer, _device), (buf, _) in sorted(items, key=lambda kv: kv[0]):
         values = dict(zip(FIELDS, buf.tolist()))
         prev = out.get(layer)
         if prev is None or values["calls"] > prev["calls"]:

@@ -36,6 +36,7 @@ from twell_compile.kernels import dense_rows as DR  # noqa: E402
 from twell_compile.kernels import gate_pack as GP  # noqa: E402
 from twell_compile.kernels import sparse_ffn as SF  # noqa: E402
 from twell_compile.kernels import sparse_ffn_bwd as SB  # noqa: E402
+from twell_compile.kernels import weights as W  # noqa: E402
 
 ARCHS = {"sm90": GPUTarget("cuda", 90, 32), "sm80": GPUTarget("cuda", 80, 32)}
 TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -164,23 +165,34 @@ def variants(arch: str, full: bool):
         for backward in (False, True):  # the forward guard with counters; the backward's with dout
             yield f"flag_rows {tag} backward={backward}", (lambda dtype=dtype, backward=backward: compile_kernel(
                 DR._flag_rows_kernel, target, dtype,
-                dict(HAS_B=backward, HAS_COUNT=True, FLAG_OVERFLOW=backward, COUNTERS=not backward, SLOTS=SLOTS,
-                     NT_P2=NT_P2, BR=16, BK=256),
-                {"a_bound_ptr": "*fp32", "b_bound_ptr": "*fp32", "flags_ptr": "*u8", "counters_ptr": "*fp64"}))
+                dict(HAS_B=backward, HAS_COUNT=True, FLAG_OVERFLOW=backward, RECORD=not backward, FLAG=1.0,
+                     SLOTS=SLOTS, NT_P2=NT_P2, BR=16, BK=256),
+                {"a_bound_ptr": "*fp32", "b_bound_ptr": "*fp32", "flags_ptr": "*u8", "values_ptr": "*fp64",
+                 "scratch_ptr": "*i64"}))
 
         # The dense path's activation (fp64 too: float64 FFNs always take the dense path).
         for act_dtype in ([dtype, torch.float64] if dtype == torch.float32 and not gated else [dtype]):
             yield f"dense_act {TY[act_dtype]} {'gated' if gated else 'plain'}", (
                 lambda act_dtype=act_dtype, gated=gated: compile_kernel(
                     DA._dense_act_kernel, target, act_dtype,
-                    dict(GATED=gated, STORE_ACT=gated, COUNT=True, L1=True, FP64=act_dtype == torch.float64,
-                         SLOTS=SLOTS, TILE_N=TILE_N, BM=DA._ROWS),
-                    {"counters_ptr": "*fp64", "l1_ptr": "*fp32"}))
+                    dict(GATED=gated, STORE_ACT=gated, COUNT=True, FLAG=0.0, L1=True,
+                         FP64=act_dtype == torch.float64, SLOTS=SLOTS, TILE_N=TILE_N, BM=DA._ROWS),
+                    {"values_ptr": "*fp64", "scratch_ptr": "*i64", "l1_ptr": "*fp32"}))
             yield f"dense_act_backward {TY[act_dtype]} {'gated' if gated else 'plain'}", (
                 lambda act_dtype=act_dtype, gated=gated: compile_kernel(
                     DA._dense_act_backward_kernel, target, act_dtype,
                     dict(GATED=gated, FP64=act_dtype == torch.float64, BLOCK=2048), {"dgate_ptr": f"*{TY[act_dtype]}"},
                     num_warps=8))
+
+        # Weight preparation: Wdᵀ rows and the guard's bounds (wd [D, H] is contiguous along H).
+        if gated:
+            yield f"transpose {TY[dtype]}", (lambda dtype=dtype: compile_kernel(
+                W._transpose_kernel, target, dtype, dict(TILE=W._TILE)))
+        yield f"weight_facts {tag}", (lambda dtype=dtype, gated=gated: compile_kernel(
+            W._weight_facts_kernel, target, dtype,
+            dict(stride_wd_j=1, LIMIT=torch.finfo(dtype).max, GATED=gated, HAS_BG=gated, HAS_BU=True, HAS_BD=True,
+                 ROWS=W._ROWS, CHUNK=W._CHUNK),
+            {"facts_ptr": "*i32", "fwd_ptr": "*fp32", "bwd_ptr": "*fp32"}))
 
         # Backward.
         for place in (False, True):

@@ -20,11 +20,18 @@ from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from twell_compile.kernels.dense_act import dense_activation, dense_activation_backward  # noqa: E402
+from twell_compile.kernels.dense_rows import CallRecord  # noqa: E402
 from twell_compile.kernels.format import TwellLayout, is_active  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _record(calls=0.0):
+    """A call record (``dense_rows.CallRecord``) with ``calls`` earlier calls and stale fields."""
+    return CallRecord(torch.tensor([calls, 3.0, 5.0, 5.0, 1.0], dtype=torch.float64, device=DEV),
+                      torch.zeros(3, dtype=torch.int64, device=DEV), 0.0)
 
 
 def _operands(m, h, dtype, density, seed, specials):
@@ -67,10 +74,10 @@ def test_matches_eager_relu_times_up_and_counts_every_entry(m, h, dtype, gated, 
     rows whose tiles overflow the 16 slots."""
     layout = TwellLayout()
     pre, up = _operands(m, h, dtype, density, seed, specials)
-    counters = torch.full((2,), 5.0, dtype=torch.float64, device=DEV)  # the kernel adds to it
+    record = _record(calls=2.0)
     l1 = torch.zeros(1, dtype=torch.float32, device=DEV)
     hid, act = dense_activation(pre.to(DEV), up.to(DEV) if gated else None, store_act=store_act,
-                                counters=counters, l1=l1, layout=layout)
+                                record=record, l1=l1, layout=layout)
     relu = torch.relu(pre)
     want = relu * up if gated else relu
     _assert_h(hid, want, dtype)
@@ -82,7 +89,8 @@ def test_matches_eager_relu_times_up_and_counts_every_entry(m, h, dtype, gated, 
     else:
         assert act is hid
     active, over = _expected_counts(pre, layout)
-    assert counters.tolist() == [5.0 + active, 5.0 + over]
+    assert record.values.tolist() == [3.0, m, active, over, 0.0]
+    assert record.scratch.tolist() == [0, 0, 0], "left zeroed for the next call"
     want_l1 = hid.cpu().double().abs().sum()  # of the h written (the interpreter rounds bf16 its own way)
     if torch.isfinite(want_l1):
         assert torch.allclose(l1.cpu().double(), want_l1, rtol=1e-4, atol=1e-4)
@@ -97,9 +105,9 @@ def test_small_layout_counts_overflow_per_tile():
     pre = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0],  # 4 active, 2 per tile: no
                         [1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0, -1.0],  # 3 in the first tile: yes
                         [-1.0] * 7 + [float("nan")]])  # NaN counts as active
-    counters = torch.zeros(2, dtype=torch.float64, device=DEV)
-    hid, act = dense_activation(pre.to(DEV), counters=counters, layout=layout)
-    assert counters.tolist() == [8.0, 1.0]
+    record = _record()
+    hid, act = dense_activation(pre.to(DEV), record=record, layout=layout)
+    assert record.values.tolist() == [1.0, 3.0, 8.0, 1.0, 0.0]
     assert torch.equal(hid.cpu().nan_to_num(), torch.relu(pre).nan_to_num())
 
 
@@ -149,8 +157,8 @@ def test_bad_arguments_name_the_argument():
         dense_activation(pre, pre.half())
     with pytest.raises(ValueError, match="up must have shape"):
         dense_activation(pre, pre[:2])
-    with pytest.raises(TypeError, match="counters must have dtype"):
-        dense_activation(pre, counters=torch.zeros(2, device=DEV))
+    with pytest.raises(ValueError, match="record.values must be float64"):
+        dense_activation(pre, record=CallRecord(torch.zeros(5, device=DEV), torch.zeros(3, dtype=torch.int64), 0.0))
     with pytest.raises(TypeError, match="pre must have dtype"):
         dense_activation(pre.int())
     coef = torch.tensor(0.1, device=DEV)
@@ -169,12 +177,12 @@ def test_gpu_benchmark_shape_is_bitwise_eager(dtype):
     """M=16384, H=5632 at ~2% density: bitwise equal to eager, exact counts."""
     pre, up = _operands(16384, 5632, dtype, 0.02, 1, True)
     pre, up = pre.cuda(), up.cuda()
-    counters = torch.zeros(2, dtype=torch.float64, device="cuda")
-    hid, act = dense_activation(pre, up, store_act=True, counters=counters)
+    record = _record()
+    hid, act = dense_activation(pre, up, store_act=True, record=record)
     relu = torch.relu(pre)
     torch.testing.assert_close(hid, relu * up, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(act, relu, rtol=0, atol=0, equal_nan=True)
-    assert counters.tolist() == list(_expected_counts(pre, TwellLayout()))
+    assert record.values.tolist() == [1.0, 16384.0, *_expected_counts(pre, TwellLayout()), 0.0]
 
 
 @pytest.mark.gpu

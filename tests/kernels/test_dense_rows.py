@@ -19,6 +19,7 @@ from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from twell_compile.kernels import dense_rows as DR  # noqa: E402
+from twell_compile.kernels import weights as W  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -77,8 +78,8 @@ _SPECIALS = st.sampled_from(["none", "nan", "inf", "huge"])
 @example(m=1, d=1, n_tiles=1, two=False, dtype=torch.float32, special="huge", gated=False, finite_weights=True,
          overflow=False, seed=0)  # its square overflows fp32: flagged (a CPU float64-accumulated norm would not)
 def test_flag_rows_matches_reference(m, d, n_tiles, two, dtype, special, gated, finite_weights, overflow, seed):
-    """Flags and counters of ``flag_rows`` against ``reference.flag_rows_ref``: any M and D (not
-    multiples of the block), NaN/Inf/huge rows, plain and gated bounds, non-finite weights."""
+    """Flags and the call record of ``flag_rows`` against ``reference.flag_rows_ref``: any M and D
+    (not multiples of the block), NaN/Inf/huge rows, plain and gated bounds, non-finite weights."""
     from twell_compile.kernels import reference as R
 
     gen = torch.Generator().manual_seed(seed)
@@ -97,12 +98,15 @@ def test_flag_rows_matches_reference(m, d, n_tiles, two, dtype, special, gated, 
     slots = 3
     args = (a, a_bound) + ((b, b_bound) if two else (None, None))
     want, (want_active, want_dense) = R.flag_rows_ref(*args, count=count, slots=slots, flag_overflow=overflow)
-    counters = torch.zeros(2, dtype=torch.float64, device=DEV)
+    record = DR.CallRecord(torch.tensor([4.0, 7.0, 9.0, 9.0, 0.0], dtype=torch.float64, device=DEV),
+                           torch.zeros(3, dtype=torch.int64, device=DEV), 1.0)
     dev_args = [t if t is None else t.to(DEV) for t in args]
-    got = DR.flag_rows(*dev_args, count=count.to(DEV), slots=slots, flag_overflow=overflow, counters=counters)
+    for calls in (5.0, 6.0):  # the scratch is left zeroed for the next call
+        got = DR.flag_rows(*dev_args, count=count.to(DEV), slots=slots, flag_overflow=overflow, record=record)
+        assert record.values.tolist() == [calls, m, want_active.item(), want_dense.item(), 1.0]
+        assert record.scratch.tolist() == [0, 0, 0]
     assert got.dtype == torch.bool and got.shape == (m,)
     assert torch.equal(got.cpu(), want)
-    assert counters.tolist() == [want_active.item(), want_dense.item()]
     assert torch.equal(DR.flag_rows(*dev_args).cpu(), R.flag_rows_ref(*args)[0])  # norms only
 
 
@@ -124,7 +128,7 @@ def test_guard_bounds_flag_what_the_reference_guard_flags():
     no_overflow = ~packed.overflow_rows()
     for gated in (True, False):
         w = (wg if gated else None, wu, wd, None, bu, None)
-        fwd, bwd = DR.guard_bounds(*(t if t is None else t.to(DEV) for t in w))
+        fwd, bwd = W.guard_bounds(*(t if t is None else t.to(DEV) for t in w))
         ours = DR.flag_rows(x.to(DEV), fwd).cpu()
         ref = R.dense_rows_ref(x, *w, packed) & no_overflow
         assert bool((ours | ~ref).all()) and ours[[2, 5]].all() and not ours[[0, 1, 3]].any()
@@ -136,5 +140,5 @@ def test_guard_bounds_flag_what_the_reference_guard_flags():
         assert back[11] if gated else torch.equal(back, ref)  # plain: finiteness and overflow only
     wd_bad = wd.clone()
     wd_bad[0, 0] = float("nan")
-    fwd, _ = DR.guard_bounds(wg.to(DEV), wu.to(DEV), wd_bad.to(DEV), None, bu.to(DEV), None)
+    fwd, _ = W.guard_bounds(wg.to(DEV), wu.to(DEV), wd_bad.to(DEV), None, bu.to(DEV), None)
     assert DR.flag_rows(x.to(DEV), fwd).all(), "a non-finite weight sends every row dense"

@@ -388,15 +388,15 @@ def test_gpu_sparse_path_counts_every_active_entry_and_dense_row(gated):
         cuda_impl.FORCE_PATH = None
 
 
-def test_counted_record_keeps_what_a_kernel_added():
-    """``telemetry.counters`` zeroes the active/dense fields for a kernel to add into;
-    ``record_counted`` then stores the rest of the call and keeps the last L1 when given none."""
-    view = telemetry.counters(21, "cpu")
-    view += torch.tensor([123.0, 4.0], dtype=torch.float64)  # what flag_rows' atomics would add
-    telemetry.record_counted(21, tokens=50, l1=torch.tensor(0.25), sparse=True, device="cpu")
-    view = telemetry.counters(21, "cpu")
-    assert view.tolist() == [0.0, 0.0], "a new call starts from zero"
-    view += torch.tensor([7.0, 1.0], dtype=torch.float64)
-    telemetry.record_counted(21, tokens=60, l1=None, sparse=True, device="cpu")
+def test_call_record_is_the_telemetry_fields_a_kernel_stores():
+    """``telemetry.call_record`` is the layer's (calls, tokens, active, dense rows, sparse) fields
+    with a zeroed scratch: what a counting kernel stores lands in ``stats()``; ``record_l1`` keeps
+    the last L1 for the calls that do not measure it."""
+    record = telemetry.call_record(21, "cpu", sparse=True)
+    assert record.flag == 1.0 and record.scratch.tolist() == [0, 0, 0]
+    record.values.copy_(torch.tensor([1.0, 50.0, 123.0, 4.0, 1.0], dtype=torch.float64))  # what a kernel stores
+    telemetry.record_l1(21, torch.tensor(0.25))
+    record = telemetry.call_record(21, "cpu", sparse=False)
+    record.values.copy_(torch.tensor([2.0, 60.0, 7.0, 1.0, 0.0], dtype=torch.float64))
     snap = telemetry.snapshot()[21]
-    assert snap == {"calls": 2.0, "tokens": 60.0, "active": 7.0, "dense_rows": 1.0, "l1": 0.25, "sparse": 1.0}
+    assert snap == {"calls": 2.0, "tokens": 60.0, "active": 7.0, "dense_rows": 1.0, "l1": 0.25, "sparse": 0.0}
