@@ -77,3 +77,19 @@ def test_cli_refuses_more_heavy_rows_than_tokens(capsys):
         bench.main(["--m", "64", "--heavy-rows", "0", "65"])
     assert e.value.code == 2
     assert "--heavy-rows" in capsys.readouterr().err
+
+
+def test_timed_training_steps_invalidate_the_ops_weight_caches():
+    """Each timed training step ends with ``weights_updated``, as an optimizer step would for the
+    weights' version counters, so the op's per-weight work (here its ``Wdᵀ`` copy) is redone and
+    timed every step, as in real training; the values stay the same."""
+    from twell_compile.lowering import cuda_impl
+
+    wd = torch.randn(8, 24, requires_grad=True)
+    before = wd.detach().clone()
+    first = cuda_impl._DownRows.get(wd)
+    assert cuda_impl._DownRows.get(wd) is first, "cached while the weight is unchanged"
+    bench.weights_updated([wd])
+    second = cuda_impl._DownRows.get(wd)
+    assert second is not first and torch.equal(second, first)
+    assert torch.equal(wd.detach(), before)
