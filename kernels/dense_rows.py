@@ -109,14 +109,17 @@ def record_without_kernel(record: CallRecord, m: int) -> None:
 def finish_call(values_ptr, scratch_ptr, active, dense, M, FLAG: tl.constexpr):
     """The end of each program of a counting launch (``CallRecord``): add this program's ``active``
     entries and ``dense`` rows (integer scalars) to ``scratch``; the last program to arrive (a
-    ticket) stores the record and zeroes ``scratch`` again. Integer sums: exact in any order."""
+    ticket) stores the record and takes the sums and the ticket back to zero. Integer sums: exact
+    in any order. Nothing is ever lost: the sums are moved out atomically and the ticket is
+    decreased by the launch's size rather than overwritten, so two launches of one layer running
+    at once on two streams share their counts between the records, and the next call starts clean."""
     tl.atomic_add(scratch_ptr, active.to(tl.int64))
     tl.atomic_add(scratch_ptr + 1, dense.to(tl.int64))
     last = tl.num_programs(0) * tl.num_programs(1) - 1
     if tl.atomic_add(scratch_ptr + 2, 1) == last:  # acq_rel: every other program's sums are in
         total_active = tl.atomic_xchg(scratch_ptr, 0)
         total_dense = tl.atomic_xchg(scratch_ptr + 1, 0)
-        tl.atomic_xchg(scratch_ptr + 2, 0)
+        tl.atomic_add(scratch_ptr + 2, -(last + 1))
         tl.store(values_ptr, tl.load(values_ptr) + 1.0)
         tl.store(values_ptr + 1, M * tl.full([], 1.0, tl.float64))  # M may be a constexpr (1)
         tl.store(values_ptr + 2, total_active.to(tl.float64))

@@ -110,6 +110,26 @@ def test_flag_rows_matches_reference(m, d, n_tiles, two, dtype, special, gated, 
     assert torch.equal(DR.flag_rows(*dev_args).cpu(), R.flag_rows_ref(*args)[0])  # norms only
 
 
+def test_call_record_loses_nothing_when_another_launch_is_in_flight():
+    """Two launches of one layer at once (two streams): this launch finds another's counts and
+    ticket already in the scratch. Its record takes part of them, nothing is lost, and the ticket
+    is left exactly as the other launch needs it to finish (interpreted programs run one by one,
+    so the other launch's progress is set up by hand)."""
+    m, n_tiles, slots = 64, 3, 3  # 4 programs of 16 rows
+    a = torch.randn(m, 8)
+    bound = torch.tensor([0.0, 0.0, 1e30])
+    count = torch.full((m, n_tiles), 2, dtype=torch.int32)  # 6 actives per row, no overflow
+    other_active, other_dense, other_ticket = 100, 3, 2  # two of the other launch's programs are in
+    record = DR.CallRecord(torch.zeros(5, dtype=torch.float64, device=DEV),
+                           torch.tensor([other_active, other_dense, other_ticket], dtype=torch.int64, device=DEV), 1.0)
+    DR.flag_rows(a.to(DEV), bound.to(DEV), count=count.to(DEV), slots=slots, record=record)
+    stored_active, stored_dense = record.values[2].item(), record.values[3].item()
+    left_active, left_dense, left_ticket = record.scratch.tolist()
+    assert stored_active + left_active == other_active + 6 * m
+    assert stored_dense + left_dense == other_dense
+    assert left_ticket == other_ticket
+
+
 def test_guard_bounds_flag_what_the_reference_guard_flags():
     """``guard_bounds`` + ``flag_rows`` flag every row ``dense_rows_ref`` flags without an
     overflow (a superset only costs speed), and the reference's backward ``dout`` rows."""
