@@ -8,7 +8,6 @@ each call's counters (``telemetry``) without synchronising the host.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 from torch import Tensor
