@@ -36,19 +36,15 @@ def _state(layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return state
 
 
-def _buffer(layer: int, device: torch.device) -> torch.Tensor:
-    return _state(layer, device)[0]
-
-
 def buffer(layer: int, device) -> torch.Tensor:
     """The layer's float64 buffer, one value per ``FIELDS`` entry (written on the device)."""
-    return _buffer(layer, torch.device(device))
+    return _state(layer, torch.device(device))[0]
 
 
 def ensure(layer: int, device) -> None:
     """Allocate ``layer``'s buffer now (at rewrite time), not during a CUDA-graph warm-up, where
     it would land in the graph's memory pool as an untracked live allocation."""
-    _buffer(layer, torch.device(device))
+    buffer(layer, device)
 
 
 def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tensor, l1: Optional[torch.Tensor], sparse: bool) -> torch.Tensor:
@@ -59,7 +55,7 @@ def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tens
 
     Returns the layer's buffer.
     """
-    buf = _buffer(layer, active.device)
+    buf = buffer(layer, active.device)
     nan = torch.full((), float("nan"), dtype=torch.float64, device=active.device)
     values = torch.stack(
         [
@@ -87,7 +83,7 @@ def call_record(layer: int, device, sparse: bool):
 
 def record_l1(layer: int, l1: torch.Tensor) -> None:
     """Store a measured L1 value (a device scalar) for ``layer``."""
-    _buffer(layer, l1.device)[_L1].copy_(l1.detach())
+    buffer(layer, l1.device)[_L1].copy_(l1.detach())
 
 
 def snapshot() -> dict[int, dict[str, float]]:
