@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 # Set before import (DESIGN.md section 9): the interpreter computes bf16 tl.dot wrongly.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -154,8 +156,8 @@ def dense_list(flags: torch.Tensor):
     m = flags.shape[0]
     rows = torch.empty(max(m, 1), dtype=torch.int32, device=flags.device)
     n_dense = torch.empty(1, dtype=torch.int32, device=flags.device)
-    _dense_list_kernel[(1,)](flags.contiguous().view(torch.uint8), rows, n_dense, m,
-                             BLOCK=256 if INTERPRET else 4096, num_warps=8)
+    launch(_dense_list_kernel, (1,), flags.contiguous().view(torch.uint8), rows, n_dense, m,
+           BLOCK=256 if INTERPRET else 4096, num_warps=8)
     return rows, n_dense
 
 
@@ -232,7 +234,7 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
     n_tiles = 0 if count is None else count.shape[1]
     cnt = a_bound if count is None else count.contiguous()
     br = 16
-    _flag_rows_kernel[(triton.cdiv(m, br),)](
+    launch(_flag_rows_kernel, (triton.cdiv(m, br),),
         a, a_bound, b, a_bound if b_bound is None else b_bound, cnt, flags.view(torch.uint8),
         a_bound if record is None else record.values, a_bound if record is None else record.scratch,
         m, d, n_tiles, a.stride(0), b.stride(0),
@@ -361,11 +363,11 @@ def scratch_product(coef: torch.Tensor, rows: torch.Tensor, n_dense: torch.Tenso
     n_split = triton.cdiv(h, h_per)
     part = torch.empty(n_split, r_cap, d, dtype=torch.float32, device=coef.device)
     w1, w2 = weights[0], weights[-1]
-    _split_product_kernel[(r_cap // BR, triton.cdiv(d, bd), n_split)](
+    launch(_split_product_kernel, (r_cap // BR, triton.cdiv(d, bd), n_split),
         coef, w1, w2, n_dense, part, d, h, r_cap, r_cap * h, h_per, w1.stride(0), w2.stride(0),
         TWO=len(weights) == 2, SPLIT=split, NATIVE=not INTERPRET, BR=BR, BH=bh, BD=bd, num_warps=warps,
     )
-    _split_sum_kernel[(r_cap // BR, triton.cdiv(d, bd))](
+    launch(_split_sum_kernel, (r_cap // BR, triton.cdiv(d, bd)),
         part, rows, n_dense, bias if bias is not None else part, dst, d, r_cap, n_split, dst.stride(0),
         HAS_BIAS=bias is not None, BR=BR, BD=bd, num_warps=4,
     )

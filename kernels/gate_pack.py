@@ -51,6 +51,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .checks import FLOAT_DTYPES, check_matrix, check_tensor
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed
+from .launch import launch
 from .reference import OVERFLOW_THRESHOLD
 
 # Triton's interpreter (CPU tests) computes bf16 tl.dot wrongly and cannot autotune over several
@@ -439,7 +440,7 @@ def gate_pack(
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * n_tiles
         return (min(tiles, _persistent_programs(x.device)) if meta["PERSISTENT"] else tiles,)
 
-    _gate_pack_kernel[grid](
+    launch(_gate_pack_kernel, grid,
         xa, wa, b if b is not None else packed.val, packed.idx, packed.val, packed.count,
         m, d, h, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),

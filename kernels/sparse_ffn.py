@@ -82,6 +82,7 @@ from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, column_mask, dense_list, 
                          rowmajor, scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
+from .launch import launch
 from .reference import _finite, _may_overflow
 from .weights import transposed
 
@@ -527,7 +528,7 @@ def sparse_ffn(
     # 3. Launch: sparse rows, then the whole-dense rows it flags (the kernels write disjoint rows).
     block_d = max(16, triton.next_power_of_2(d))
     whole = torch.empty(m, dtype=torch.bool, device=dev)
-    _sparse_ffn_kernel[lambda meta: (triton.cdiv(m, meta["TOKENS"]),)](
+    launch(_sparse_ffn_kernel, lambda meta: (triton.cdiv(m, meta["TOKENS"]),),
         *weights, idx, val, count, dense_rows, out, up_val if store_up else dummy, whole.view(torch.uint8),
         m, d, h, n_tiles, max_tile_recompute, *strides,
         **flags, STORE_UP=store_up, SLOTS=slots,
@@ -565,7 +566,7 @@ def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, 
     hflags = dict(GATED=flags["GATED"], HAS_BG=flags["HAS_BG"], HAS_BU=flags["HAS_BU"])
     if r_cap:
         hid = torch.empty(1, r_cap, h, dtype=torch.float32, device=x.device)
-        _dense_hidden_kernel[(r_cap // BR, triton.cdiv(h, bh))](
+        launch(_dense_hidden_kernel, (r_cap // BR, triton.cdiv(h, bh)),
             *x_args, rows, n_dense, hid, d, h, *x_strides,
             **hflags, NATIVE=native, OVF=ovf, BR=BR, BH=bh, BK=bk, num_warps=warps,
         )
@@ -574,7 +575,7 @@ def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, 
     if m > r_cap:
         bm, bh, bk, bd_blk, warps, stages = _DENSE_TILES_INTERPRET if INTERPRET else _DENSE_TILES[x.element_size()]
         bd_blk = min(bd_blk, max(16, triton.next_power_of_2(d)))
-        _dense_rows_kernel[(triton.cdiv(m - r_cap, bm), triton.cdiv(d, bd_blk))](
+        launch(_dense_rows_kernel, (triton.cdiv(m - r_cap, bm), triton.cdiv(d, bd_blk)),
             *x_args, wdt, bd, rows, n_dense, out, d, h, r_cap, *strides,
             **flags, NATIVE=native, SPLIT=split, OVF=ovf,
             BM=bm, BH=bh, BK=bk, BD=bd_blk, num_warps=warps, num_stages=stages,

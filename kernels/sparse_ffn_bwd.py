@@ -86,6 +86,7 @@ from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, column_mask, dense_list, 
 from .dense_rows import prefix_sum as _cumsum
 from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
+from .launch import launch
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
 from .sparse_ffn import first_pair, load_pair, next_pair
 from .weights import transposed
@@ -222,12 +223,12 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
     meta = dict(SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), TILE_N=tile_n, TB=_RANK_TB,
                 USE_GATHER=_RANK_USE_GATHER, num_warps=4)
     grid = (nb, n_tiles)
-    _rank_kernel[grid](idx, count, dense_u8, counts, counts, lists, m, n_tiles, nb, PLACE=False, **meta)
+    launch(_rank_kernel, grid, idx, count, dense_u8, counts, counts, lists, m, n_tiles, nb, PLACE=False, **meta)
     flat = counts.view(-1)
     incl = torch.cumsum(flat, 0)  # int64, neuron-major then block: [j0 b0, j0 b1, ..., j1 b0, ...]
     starts = incl - flat
     ptr = torch.cat([starts.view(h_pad, nb)[:hidden, 0], incl[-1:]])
-    _rank_kernel[grid](idx, count, dense_u8, counts, starts, lists, m, n_tiles, nb, PLACE=True, **meta)
+    launch(_rank_kernel, grid, idx, count, dense_u8, counts, starts, lists, m, n_tiles, nb, PLACE=True, **meta)
     return ptr, lists
 
 
@@ -779,7 +780,7 @@ def sparse_ffn_backward(
 
     # 3. Launch: sparse rows (dx, dh), dense rows (scratch, dx), then the weight gradients.
     block_d = max(16, triton.next_power_of_2(d))
-    _tokens_kernel[lambda meta: (triton.cdiv(m, meta["TOKENS"]),)](
+    launch(_tokens_kernel, lambda meta: (triton.cdiv(m, meta["TOKENS"]),),
         dout, wg_, wu, wdt, idx, val, up, count, dense_u8, scale, dx, dh,
         m, d, h, n_tiles,
         dout.stride(0), *w_strides, dx.stride(0),
@@ -787,7 +788,7 @@ def sparse_ffn_backward(
     )
     dense_args = (x, dout, wg_, wu, wdt, bg_, bu_, scale, rows, n_dense, coef)
     if r_cap:
-        _dense_coef_kernel[(r_cap // BR, triton.cdiv(h, bh))](
+        launch(_dense_coef_kernel, (r_cap // BR, triton.cdiv(h, bh)),
             *dense_args, d, h, r_cap * h, x.stride(0), dout.stride(0), *w_strides,
             **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, num_warps=warps,
         )
@@ -795,11 +796,11 @@ def sparse_ffn_backward(
         scratch_product(coef, rows, n_dense, (wg_, wu) if gated else (wu,), dx,
                         split=x.dtype == torch.bfloat16, bh=bh, bd=bd_blk, warps=warps)
     if m_pad > r_cap:
-        _dense_dx_kernel[((m_pad - r_cap) // BR, triton.cdiv(d, bd_blk))](
+        launch(_dense_dx_kernel, ((m_pad - r_cap) // BR, triton.cdiv(d, bd_blk)),
             *dense_args[:-1], dx, d, h, r_cap, x.stride(0), dout.stride(0), *w_strides, dx.stride(0),
             **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, BD=bd_blk, num_warps=warps,
         )
-    _wgrad_kernel[lambda meta: (h, triton.cdiv(d, meta["BD"]))](
+    launch(_wgrad_kernel, lambda meta: (h, triton.cdiv(d, meta["BD"])),
         x, dout, val, up, dh, nptr, lists, rows, n_dense, coef,
         wg_, wu, wdt, bg_, bu_, scale,
         dwg if gated else dwu, dwu, dwdt, dbg if dbg is not None else dummy, dbu if dbu is not None else dummy,

@@ -1,0 +1,147 @@
+"""``launch(kernel, grid, *args, **kwargs)``: ``kernel[grid](*args, **kwargs)`` with less host work.
+
+A sparse training step launches ~25 Triton kernels, and on the H200's host Triton 3.6 spends
+46–64 µs in ``JITFunction.run`` per launch (130–180 µs through an autotuner), more than the
+step's GPU time allows (docs/benchmarks.md, session 13). Most of it is work whose result does not
+change between calls of one launch site: reading the ``TRITON_*`` settings from the environment,
+turning the options into a cache key string, building the launch hooks' metadata and calling two
+empty hook chains, and, through ``triton.autotune``, rebuilding the tuning key from every argument.
+
+Here a kernel already compiled for a call's exact specialization is launched directly:
+
+* the specialization is still Triton's own, from the kernel's binder (dtypes, 16-byte alignment of
+  every pointer, divisibility of every integer, constexpr values, tensor-descriptor block shapes),
+  so a call gets exactly the binary ``kernel[grid]`` would pick;
+* the first call of each specialization, and of each autotuning key, goes through Triton
+  unchanged (compiling and autotuning there), and its result is remembered;
+* launch hooks (profilers) still run when any are registered;
+* anything this module does not recognise (the interpreter, another Triton version's internals)
+  falls back to ``kernel[grid](...)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Union
+
+import torch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# TWELL_PLAIN_LAUNCH=1 sends every launch through ``kernel[grid](...)``: the escape hatch, and the
+# A/B baseline of the benchmarks.
+PLAIN = os.environ.get("TWELL_PLAIN_LAUNCH", "0") == "1"
+
+try:  # the Triton internals this module relies on (checked once; else: plain launches)
+    from triton import knobs
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.jit import JITFunction
+
+    _SUPPORTED = all(hasattr(JITFunction, a) for a in ("run", "create_binder")) and hasattr(
+        knobs.runtime, "launch_enter_hook")
+except ImportError:  # pragma: no cover - other Triton versions
+    _SUPPORTED = False
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+Grid = Union[tuple, Callable[[dict], tuple]]
+
+# (id(kernel), device, specialization, options) -> CompiledKernel (kernels live as long as their
+# modules; id() keeps JITFunction.__hash__, which hashes the source key, off the hot path)
+_compiled: dict = {}
+# (id(autotuner), tuning key) -> the Config it chose
+_configs: dict = {}
+
+
+def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)`` for a ``triton.jit`` kernel, optionally wrapped in
+    ``triton.heuristics`` and one ``triton.autotune``: the same binary, config and results, with
+    less host time per call."""
+    layers = None if (PLAIN or _INTERPRET or not _SUPPORTED) else _layers(kernel)
+    if layers is None:
+        kernel[grid](*args, **kwargs)
+        return
+    tuner, heuristics, fn = layers
+    if tuner is None and not heuristics:
+        _launch_jit(fn, grid, args, kwargs)
+        return
+    config = None
+    if tuner is not None:
+        key = (id(tuner), _tuning_key(tuner, args, kwargs))
+        config = _configs.get(key)
+        if config is None:  # Triton tunes (or finds the tuned config) and launches
+            kernel[grid](*args, **kwargs)
+            _configs[key] = tuner.best_config
+            return
+        kwargs = {**kwargs, **config.all_kwargs()}
+        if config.pre_hook is not None:
+            config.pre_hook({**dict(zip(tuner.arg_names, args)), **kwargs})
+    for h in heuristics:  # as Heuristics.run: each value sees the ones set before it
+        kwargs = dict(kwargs)
+        for name, rule in h.values.items():
+            kwargs[name] = rule({**dict(zip(h.arg_names, args)), **kwargs})
+    _launch_jit(fn, grid, args, kwargs)
+
+
+_layer_cache: dict = {}
+
+
+def _layers(kernel: Any):
+    """``(autotuner or None, [heuristics, outermost first], jit function)``, or None for anything
+    else (then the launch is Triton's own)."""
+    hit = _layer_cache.get(id(kernel))
+    if hit is not None:
+        return hit[1]
+    tuner, heuristics, inner = None, [], kernel
+    if isinstance(inner, Autotuner):
+        tuner, inner = inner, inner.fn
+    while isinstance(inner, Heuristics):
+        heuristics.append(inner)
+        inner = inner.fn
+    layers = (tuner, heuristics, inner) if isinstance(inner, JITFunction) else None
+    _layer_cache[id(kernel)] = (kernel, layers)  # the kernel is kept alive, so its id stays its own
+    return layers
+
+
+def _launch_jit(fn: "JITFunction", grid: Grid, args: tuple, kwargs: dict) -> None:
+    device = torch.cuda.current_device()
+    binder = fn.device_caches[device][4]
+    bound, specialization, options = binder(*args, **kwargs)
+    key = (id(fn), device, tuple(specialization), tuple(options.items()))
+    compiled = _compiled.get(key)
+    if compiled is None:  # Triton compiles (or finds on disk) and launches it
+        compiled = fn.run(*args, grid=grid, warmup=False, **kwargs)
+        if hasattr(compiled, "result"):  # asynchronous compilation
+            compiled = compiled.result()
+        if compiled is not None:
+            _compiled[key] = compiled
+        return
+    if callable(grid):
+        grid = grid(bound)
+    g0 = grid[0]
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = _raw_stream(device)
+    values = bound.values()
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if _listening(enter) or _listening(leave):  # a profiler: give it what Triton gives it
+        metadata = compiled.launch_metadata(grid, stream, *values)
+    else:
+        metadata = enter = leave = None
+    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *values)
+
+
+def _listening(hook) -> bool:
+    """Whether a launch hook would do anything (Triton 3.6 passes empty hook chains to every
+    launch, which its launcher then calls)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _tuning_key(tuner: "Autotuner", args: tuple, kwargs: dict) -> tuple:
+    """What ``Autotuner.run`` keys its choice on: the values of its ``key`` arguments and the
+    dtype of every argument that has one."""
+    named = dict(zip(tuner.arg_names, args))
+    named.update(kwargs)
+    key = [named[k] for k in tuner.keys if k in named]
+    key += [str(v.dtype) for k, v in named.items() if k in tuner.arg_names and hasattr(v, "dtype")]
+    return tuple(key)

@@ -1,0 +1,147 @@
+"""kernels/launch.py: ``launch(kernel, grid, ...)`` is ``kernel[grid](...)`` with less host work.
+
+Everywhere: the results equal the plain launch's. On the GPU (the lean path runs only there): the
+binary launched is the one Triton picks for the same arguments (one per specialization, e.g.
+pointer alignment), an autotuned kernel runs the config its autotuner chose, with its pre-hook and
+heuristics, and launch hooks (profilers) still see every launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before the kernel modules are imported (DESIGN.md section 9)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from twell_compile.kernels import launch as L  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+
+
+@triton.jit
+def _add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n) + tl.load(y_ptr + i, mask=i < n), mask=i < n)
+
+
+_PRE_HOOK_CALLS = []
+
+
+def _count_pre_hook(nargs):
+    _PRE_HOOK_CALLS.append(nargs["n"])
+
+
+# the interpreter cannot autotune over several configs (it has no GPU driver to time them)
+_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, pre_hook=_count_pre_hook) for b, w in ((32, 1), (64, 2))]
+
+
+@triton.autotune(configs=_CONFIGS[:1] if L._INTERPRET else _CONFIGS, key=["n"])
+@triton.heuristics({"EVEN": lambda a: a["n"] % a["BLOCK"] == 0})
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if EVEN:  # no mask: wrong for a tail, so a wrong EVEN shows in the result
+        tl.store(out_ptr + i, tl.load(x_ptr + i) * scale)
+    else:
+        tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n) * scale, mask=i < n)
+
+
+def _add(x, y, n, block=64):
+    out = torch.full_like(x, -1.0)
+    L.launch(_add_kernel, (triton.cdiv(n, block),), x, y, out, n, BLOCK=block)
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 300), offset=st.integers(0, 9), dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_launch_computes_what_the_plain_launch_computes(n, offset, dtype):
+    base = torch.randn(n + offset, device=DEV).to(dtype)
+    x, y = base[offset:], torch.randn(n, device=DEV).to(dtype)
+    out = _add(x, y, n)
+    plain = torch.full_like(x, -1.0)
+    _add_kernel[(triton.cdiv(n, 64),)](x, y, plain, n, BLOCK=64)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    torch.testing.assert_close(out, x + y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 64, 100, 256])
+def test_autotuned_kernel_with_heuristics(n):
+    x = torch.randn(n, device=DEV)
+    for scale in (2.0, -0.5):  # the first call tunes, the next ones take the remembered config
+        out = torch.zeros_like(x)
+        L.launch(_scale_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK"]),), x, out, n, scale)
+        torch.testing.assert_close(out, x * scale, rtol=0, atol=0)
+
+
+@gpu
+def test_each_specialization_launches_tritons_own_binary():
+    n = 200
+    x, y = torch.randn(n + 1, device="cuda"), torch.randn(n, device="cuda")
+    seen = []
+    for xs in (x[:n], x[1:]):  # 16-byte aligned, then not: two specializations
+        out = _add(xs, y, n)
+        out = _add(xs, y, n)  # the second call takes the lean path
+        torch.testing.assert_close(out, xs + y, rtol=0, atol=0)
+        plain = _add_kernel[(triton.cdiv(n, 64),)](xs, y, torch.empty_like(y), n, BLOCK=64)
+        seen.append(plain)
+        assert L._compiled[_key(_add_kernel, xs, y, out, n, BLOCK=64)] is plain
+    assert seen[0] is not seen[1]
+
+
+@gpu
+def test_autotuned_launch_uses_the_tuners_choice_and_runs_its_pre_hook():
+    n = 96  # EVEN for BLOCK 32, not for 64
+    x = torch.randn(n, device="cuda")
+    out = torch.zeros_like(x)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
+    L.launch(_scale_kernel, grid, x, out, n, 3.0)
+    chosen = L._configs[(id(_scale_kernel), L._tuning_key(_scale_kernel, (x, out, n, 3.0), {}))]
+    assert chosen is _scale_kernel.best_config
+    before = len(_PRE_HOOK_CALLS)
+    L.launch(_scale_kernel, grid, x, out, n, 4.0)
+    assert _PRE_HOOK_CALLS[before:] == [n]
+    torch.testing.assert_close(out, x * 4.0, rtol=0, atol=0)
+    even = n % chosen.kwargs["BLOCK"] == 0
+    assert _key(_scale_kernel.fn.fn, x, out, n, 4.0, **chosen.all_kwargs(), EVEN=even) in L._compiled
+
+
+@gpu
+def test_launch_hooks_see_lean_launches():
+    from triton import knobs
+
+    names = []
+    hook = lambda metadata: names.append(metadata.get()["name"])  # noqa: E731
+    n = 64
+    x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    _add(x, y, n)  # compiled (and remembered) before the hook is added
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        out = _add(x, y, n)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert names == ["_add_kernel"]
+    torch.testing.assert_close(out, x + y, rtol=0, atol=0)
+
+
+def test_plain_switch_sends_launches_through_triton(monkeypatch):
+    monkeypatch.setattr(L, "PLAIN", True)
+    monkeypatch.setattr(L, "_compiled", {})
+    n = 40
+    x, y = torch.randn(n, device=DEV), torch.randn(n, device=DEV)
+    torch.testing.assert_close(_add(x, y, n), x + y, rtol=0, atol=0)
+    assert L._compiled == {}
+
+
+def _key(fn, *args, **kwargs):
+    device = torch.cuda.current_device()
+    _, specialization, options = fn.device_caches[device][4](*args, **kwargs)
+    return (id(fn), device, tuple(specialization), tuple(options.items()))
