@@ -33,7 +33,7 @@ import triton.language as tl
 from .checks import check_tensor
 from .dense_rows import CallRecord, check_record, finish_call, record_without_kernel
 from .format import DEFAULT_LAYOUT, TwellLayout
-from .launch import launch
+from .launch import cdiv, launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Rows per program: 8 rows x 128 columns of 16-bit values are one 16-byte vector per thread and
@@ -134,7 +134,7 @@ def dense_activation(
     hid = torch.empty(m, h, dtype=pre.dtype, device=dev)
     act = torch.empty(m, h, dtype=pre.dtype, device=dev) if store_act else None
     if m and h:
-        launch(_dense_act_kernel, (triton.cdiv(m, _ROWS),),
+        launch(_dense_act_kernel, (cdiv(m, _ROWS),),
             pre, up, hid, hid if act is None else act, pre if record is None else record.values,
             pre if record is None else record.scratch, pre if l1 is None else l1,
             m, h, layout.n_tiles(h), pre.stride(0), up.stride(0), hid.stride(0), hid.stride(0) if act is None else act.stride(0),
@@ -212,7 +212,7 @@ def dense_activation_backward(
     n = dh.numel()
     if n:
         block = 2048
-        launch(_dense_act_backward_kernel, (triton.cdiv(n, block),),
+        launch(_dense_act_backward_kernel, (cdiv(n, block),),
             dh, h, up, act, coef, dh if d_gate is None else d_gate, n,
             GATED=gated, FP64=dh.dtype == torch.float64, BLOCK=block, num_warps=8,
         )

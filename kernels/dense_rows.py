@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import cdiv, launch, next_power_of_2
 
 # Set before import (DESIGN.md section 9): the interpreter computes bf16 tl.dot wrongly.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -234,13 +234,13 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
     n_tiles = 0 if count is None else count.shape[1]
     cnt = a_bound if count is None else count.contiguous()
     br = 16
-    launch(_flag_rows_kernel, (triton.cdiv(m, br),),
+    launch(_flag_rows_kernel, (cdiv(m, br),),
         a, a_bound, b, a_bound if b_bound is None else b_bound, cnt, flags.view(torch.uint8),
         a_bound if record is None else record.values, a_bound if record is None else record.scratch,
         m, d, n_tiles, a.stride(0), b.stride(0),
         HAS_B=b_bound is not None, HAS_COUNT=count is not None, FLAG_OVERFLOW=flag_overflow,
         RECORD=record is not None, FLAG=0.0 if record is None else float(record.flag), SLOTS=slots,
-        NT_P2=max(2, triton.next_power_of_2(n_tiles)), BR=br, BK=min(256, max(16, triton.next_power_of_2(d))),
+        NT_P2=max(2, next_power_of_2(n_tiles)), BR=br, BK=min(256, max(16, next_power_of_2(d))),
         num_warps=4,
     )
     return flags
@@ -344,7 +344,7 @@ def _split_sum_kernel(
 
 def split_count(h: int, bh: int) -> int:
     """H splits of ``scratch_product``: about 8 ``bh`` blocks per program, at most 16 splits."""
-    return max(1, min(16, triton.cdiv(h, 8 * bh)))
+    return max(1, min(16, cdiv(h, 8 * bh)))
 
 
 def scratch_product(coef: torch.Tensor, rows: torch.Tensor, n_dense: torch.Tensor, weights, dst: torch.Tensor,
@@ -359,15 +359,15 @@ def scratch_product(coef: torch.Tensor, rows: torch.Tensor, n_dense: torch.Tenso
     r_cap, h = coef.shape[1], coef.shape[2]
     d = weights[0].shape[1]
     n_split = split_count(h, bh)
-    h_per = triton.cdiv(triton.cdiv(h, n_split), bh) * bh
-    n_split = triton.cdiv(h, h_per)
+    h_per = cdiv(cdiv(h, n_split), bh) * bh
+    n_split = cdiv(h, h_per)
     part = torch.empty(n_split, r_cap, d, dtype=torch.float32, device=coef.device)
     w1, w2 = weights[0], weights[-1]
-    launch(_split_product_kernel, (r_cap // BR, triton.cdiv(d, bd), n_split),
+    launch(_split_product_kernel, (r_cap // BR, cdiv(d, bd), n_split),
         coef, w1, w2, n_dense, part, d, h, r_cap, r_cap * h, h_per, w1.stride(0), w2.stride(0),
         TWO=len(weights) == 2, SPLIT=split, NATIVE=not INTERPRET, BR=BR, BH=bh, BD=bd, num_warps=warps,
     )
-    launch(_split_sum_kernel, (r_cap // BR, triton.cdiv(d, bd)),
+    launch(_split_sum_kernel, (r_cap // BR, cdiv(d, bd)),
         part, rows, n_dense, bias if bias is not None else part, dst, d, r_cap, n_split, dst.stride(0),
         HAS_BIAS=bias is not None, BR=BR, BD=bd, num_warps=4,
     )

@@ -51,7 +51,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .checks import FLOAT_DTYPES, check_matrix, check_tensor
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed
-from .launch import launch
+from .launch import cdiv, launch
 from .reference import OVERFLOW_THRESHOLD
 
 # Triton's interpreter (CPU tests) computes bf16 tl.dot wrongly and cannot autotune over several
@@ -437,7 +437,7 @@ def gate_pack(
     else:
         xa, wa = x, w
     def grid(meta):
-        tiles = triton.cdiv(m, meta["BLOCK_M"]) * n_tiles
+        tiles = cdiv(m, meta["BLOCK_M"]) * n_tiles
         return (min(tiles, _persistent_programs(x.device)) if meta["PERSISTENT"] else tiles,)
 
     launch(_gate_pack_kernel, grid,

@@ -1,11 +1,11 @@
 """``launch(kernel, grid, *args, **kwargs)``: ``kernel[grid](*args, **kwargs)`` with less host work.
 
-A sparse training step launches ~25 Triton kernels, and on the H200's host Triton 3.6 spends
-46–64 µs in ``JITFunction.run`` per launch (130–180 µs through an autotuner), more than the
-step's GPU time allows (docs/benchmarks.md, session 13). Most of it is work whose result does not
-change between calls of one launch site: reading the ``TRITON_*`` settings from the environment,
-turning the options into a cache key string, building the launch hooks' metadata and calling two
-empty hook chains, and, through ``triton.autotune``, rebuilding the tuning key from every argument.
+A sparse training step launches 21 Triton kernels, and on the H200's hosts Triton 3.6 spends
+38–64 µs in ``JITFunction.run`` per launch (80–180 µs through an autotuner): 1.2–1.6 ms of host
+time per step, which made the step host-bound (docs/benchmarks.md, session 13). Much of that is
+work whose result does not change between calls of one launch site: turning the options into a
+cache key string, building the launch hooks' metadata and calling two empty hook chains, and,
+through ``triton.autotune`` and ``triton.heuristics``, rebuilding keys and argument dicts.
 
 Here a kernel already compiled for a call's exact specialization is launched directly:
 
@@ -15,6 +15,7 @@ Here a kernel already compiled for a call's exact specialization is launched dir
 * the first call of each specialization, and of each autotuning key, goes through Triton
   unchanged (compiling and autotuning there), and its result is remembered;
 * launch hooks (profilers) still run when any are registered;
+* what remains per call is Triton's binder, the grid and the compiled launcher: 20–30 µs;
 * anything this module does not recognise (the interpreter, another Triton version's internals)
   falls back to ``kernel[grid](...)``.
 """
@@ -29,7 +30,10 @@ import torch
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # TWELL_PLAIN_LAUNCH=1 sends every launch through ``kernel[grid](...)``: the escape hatch, and the
 # A/B baseline of the benchmarks.
-PLAIN = os.environ.get("TWELL_PLAIN_LAUNCH", "0") == "1"
+_plain = os.environ.get("TWELL_PLAIN_LAUNCH", "0")
+if _plain not in ("0", "1"):
+    raise ValueError(f"TWELL_PLAIN_LAUNCH must be 0 or 1, got {_plain!r}")
+PLAIN = _plain == "1"
 
 try:  # the Triton internals this module relies on (checked once; else: plain launches)
     from triton import knobs
@@ -43,6 +47,8 @@ except ImportError:  # pragma: no cover - other Triton versions
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device: torch.cuda.current_stream(device).cuda_stream)
+# torch.cuda.current_device() without its lazy-init check: a launch only happens once CUDA is up
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 Grid = Union[tuple, Callable[[dict], tuple]]
 
@@ -51,6 +57,17 @@ Grid = Union[tuple, Callable[[dict], tuple]]
 _compiled: dict = {}
 # (id(autotuner), tuning key) -> the Config it chose
 _configs: dict = {}
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code: Triton 3.6's is a constexpr function, whose argument
+    unwrapping costs ~2 µs per call from Python (a training step computes ~40 grid sizes)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (0 for 0), without the constexpr-call overhead."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
@@ -104,7 +121,7 @@ def _layers(kernel: Any):
 
 
 def _launch_jit(fn: "JITFunction", grid: Grid, args: tuple, kwargs: dict) -> None:
-    device = torch.cuda.current_device()
+    device = _current_device()
     binder = fn.device_caches[device][4]
     bound, specialization, options = binder(*args, **kwargs)
     key = (id(fn), device, tuple(specialization), tuple(options.items()))

@@ -82,7 +82,7 @@ from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, column_mask, dense_list, 
                          rowmajor, scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
-from .launch import launch
+from .launch import cdiv, launch, next_power_of_2
 from .reference import _finite, _may_overflow
 from .weights import transposed
 
@@ -522,13 +522,13 @@ def sparse_ffn(
                bd if bd is not None else dummy)
     strides = (x.stride(0), wg.stride(0), wu.stride(0), wdt.stride(0), out.stride(0))
     flags = dict(GATED=gated, HAS_BG=bg is not None, HAS_BU=bu is not None, HAS_BD=bd is not None)
-    nt_p2 = max(2, triton.next_power_of_2(n_tiles))
+    nt_p2 = max(2, next_power_of_2(n_tiles))
     ovf = overflow_threshold(x.dtype)
 
     # 3. Launch: sparse rows, then the whole-dense rows it flags (the kernels write disjoint rows).
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     whole = torch.empty(m, dtype=torch.bool, device=dev)
-    launch(_sparse_ffn_kernel, lambda meta: (triton.cdiv(m, meta["TOKENS"]),),
+    launch(_sparse_ffn_kernel, lambda meta: (cdiv(m, meta["TOKENS"]),),
         *weights, idx, val, count, dense_rows, out, up_val if store_up else dummy, whole.view(torch.uint8),
         m, d, h, n_tiles, max_tile_recompute, *strides,
         **flags, STORE_UP=store_up, SLOTS=slots,
@@ -552,21 +552,21 @@ def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, 
     native = x.dtype != torch.float32 and not INTERPRET
     split = x.element_size() == 2  # h is already clipped to the input dtype's overflow points
     bh, bk, bd_blk, warps = _SCRATCH_TILES_INTERPRET if INTERPRET else _SCRATCH_TILES[x.element_size()]
-    bd_blk = min(bd_blk, max(16, triton.next_power_of_2(d)))
-    m_pad = triton.cdiv(m, BR) * BR
+    bd_blk = min(bd_blk, max(16, next_power_of_2(d)))
+    m_pad = cdiv(m, BR) * BR
     if scratch_rows is None:
         # h [r_cap, H] and the split products [splits, r_cap, D]: 288 rows at D=2048, H=5632.
         per_row = 4 * (h + split_count(h, bh) * d)
         r_cap = max(BR, SCRATCH_BYTES // per_row // BR * BR)
     else:
-        r_cap = triton.cdiv(scratch_rows, BR) * BR
+        r_cap = cdiv(scratch_rows, BR) * BR
     r_cap = min(r_cap, m_pad)
     x_args = (x, wg, bg, wu, bu)
     x_strides = (strides[0], strides[1], strides[2])
     hflags = dict(GATED=flags["GATED"], HAS_BG=flags["HAS_BG"], HAS_BU=flags["HAS_BU"])
     if r_cap:
         hid = torch.empty(1, r_cap, h, dtype=torch.float32, device=x.device)
-        launch(_dense_hidden_kernel, (r_cap // BR, triton.cdiv(h, bh)),
+        launch(_dense_hidden_kernel, (r_cap // BR, cdiv(h, bh)),
             *x_args, rows, n_dense, hid, d, h, *x_strides,
             **hflags, NATIVE=native, OVF=ovf, BR=BR, BH=bh, BK=bk, num_warps=warps,
         )
@@ -574,8 +574,8 @@ def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, 
                         split=split, bh=bh, bd=bd_blk, warps=warps)
     if m > r_cap:
         bm, bh, bk, bd_blk, warps, stages = _DENSE_TILES_INTERPRET if INTERPRET else _DENSE_TILES[x.element_size()]
-        bd_blk = min(bd_blk, max(16, triton.next_power_of_2(d)))
-        launch(_dense_rows_kernel, (triton.cdiv(m - r_cap, bm), triton.cdiv(d, bd_blk)),
+        bd_blk = min(bd_blk, max(16, next_power_of_2(d)))
+        launch(_dense_rows_kernel, (cdiv(m - r_cap, bm), cdiv(d, bd_blk)),
             *x_args, wdt, bd, rows, n_dense, out, d, h, r_cap, *strides,
             **flags, NATIVE=native, SPLIT=split, OVF=ovf,
             BM=bm, BH=bh, BK=bk, BD=bd_blk, num_warps=warps, num_stages=stages,

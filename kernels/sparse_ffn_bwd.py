@@ -86,7 +86,7 @@ from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, column_mask, dense_list, 
 from .dense_rows import prefix_sum as _cumsum
 from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
-from .launch import launch
+from .launch import cdiv, launch, next_power_of_2
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
 from .sparse_ffn import first_pair, load_pair, next_pair
 from .weights import transposed
@@ -211,7 +211,7 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
     slots, tile_n = layout.slots, layout.tile_n
     dev = idx.device
     h_pad = n_tiles * tile_n
-    nb = triton.cdiv(m, _RANK_TB)
+    nb = cdiv(m, _RANK_TB)
     cap = m * n_tiles * slots
     slot_dtype = torch.int32 if cap < 2**31 else torch.int64
     lists = torch.empty(max(cap, 1), dtype=slot_dtype, device=dev)
@@ -220,7 +220,7 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
     idx, count = idx.contiguous(), count.contiguous()
     dense_u8 = dense_rows.contiguous().view(torch.uint8)
     counts = torch.zeros(h_pad, nb, dtype=torch.int32, device=dev)  # the counting pass adds into it
-    meta = dict(SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), TILE_N=tile_n, TB=_RANK_TB,
+    meta = dict(SLOTS=slots, SLOTS_P2=next_power_of_2(slots), TILE_N=tile_n, TB=_RANK_TB,
                 USE_GATHER=_RANK_USE_GATHER, num_warps=4)
     grid = (nb, n_tiles)
     launch(_rank_kernel, grid, idx, count, dense_u8, counts, counts, lists, m, n_tiles, nb, PLACE=False, **meta)
@@ -478,7 +478,7 @@ def _wgrad_configs():
 
 def _prune_wgrad(configs, nargs, **kwargs):
     """Drop D slices wider than D needs (keep the narrowest when none fits)."""
-    d_p2 = max(16, triton.next_power_of_2(nargs["D"]))
+    d_p2 = max(16, next_power_of_2(nargs["D"]))
     keep = [c for c in configs if c.kwargs["BD"] <= d_p2]
     return keep or [min(configs, key=lambda c: c.kwargs["BD"])]
 
@@ -757,13 +757,13 @@ def sparse_ffn_backward(
     nptr, lists = neuron_major(TwellPacked(idx, val, count), dense_rows, h, layout=layout)
     rows, n_dense = dense_list(dense_rows)
     planes = 3 if gated else 2
-    m_pad = triton.cdiv(m, BR) * BR
+    m_pad = cdiv(m, BR) * BR
     if dense_scratch_rows is None:
         # The coefficients [planes, r_cap, H] only (496 rows at H=5632); the split products'
         # partial sums come on top (45 MB at D=2048).
         r_cap = max(BR, SCRATCH_BYTES // (4 * planes * h) // BR * BR)
     else:
-        r_cap = triton.cdiv(dense_scratch_rows, BR) * BR
+        r_cap = cdiv(dense_scratch_rows, BR) * BR
     r_cap = min(r_cap, m_pad)
     coef = torch.empty(planes, r_cap, h, dtype=torch.float32, device=dev) if r_cap else dummy
 
@@ -779,8 +779,8 @@ def sparse_ffn_backward(
         bh, bk, bd_blk, warps = 64, 64, (64 if x.dtype == torch.float32 else 128), 4
 
     # 3. Launch: sparse rows (dx, dh), dense rows (scratch, dx), then the weight gradients.
-    block_d = max(16, triton.next_power_of_2(d))
-    launch(_tokens_kernel, lambda meta: (triton.cdiv(m, meta["TOKENS"]),),
+    block_d = max(16, next_power_of_2(d))
+    launch(_tokens_kernel, lambda meta: (cdiv(m, meta["TOKENS"]),),
         dout, wg_, wu, wdt, idx, val, up, count, dense_u8, scale, dx, dh,
         m, d, h, n_tiles,
         dout.stride(0), *w_strides, dx.stride(0),
@@ -788,7 +788,7 @@ def sparse_ffn_backward(
     )
     dense_args = (x, dout, wg_, wu, wdt, bg_, bu_, scale, rows, n_dense, coef)
     if r_cap:
-        launch(_dense_coef_kernel, (r_cap // BR, triton.cdiv(h, bh)),
+        launch(_dense_coef_kernel, (r_cap // BR, cdiv(h, bh)),
             *dense_args, d, h, r_cap * h, x.stride(0), dout.stride(0), *w_strides,
             **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, num_warps=warps,
         )
@@ -796,11 +796,11 @@ def sparse_ffn_backward(
         scratch_product(coef, rows, n_dense, (wg_, wu) if gated else (wu,), dx,
                         split=x.dtype == torch.bfloat16, bh=bh, bd=bd_blk, warps=warps)
     if m_pad > r_cap:
-        launch(_dense_dx_kernel, ((m_pad - r_cap) // BR, triton.cdiv(d, bd_blk)),
+        launch(_dense_dx_kernel, ((m_pad - r_cap) // BR, cdiv(d, bd_blk)),
             *dense_args[:-1], dx, d, h, r_cap, x.stride(0), dout.stride(0), *w_strides, dx.stride(0),
             **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, BD=bd_blk, num_warps=warps,
         )
-    launch(_wgrad_kernel, lambda meta: (h, triton.cdiv(d, meta["BD"])),
+    launch(_wgrad_kernel, lambda meta: (h, cdiv(d, meta["BD"])),
         x, dout, val, up, dh, nptr, lists, rows, n_dense, coef,
         wg_, wu, wdt, bg_, bu_, scale,
         dwg if gated else dwu, dwu, dwdt, dbg if dbg is not None else dummy, dbu if dbu is not None else dummy,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .dense_rows import INTERPRET, jit_helper
-from .launch import launch
+from .launch import cdiv, launch
 
 _TILE = 16 if INTERPRET else 64  # transpose tile
 _ROWS = 4 if INTERPRET else 32  # norm rows (or columns) per program
@@ -54,7 +54,7 @@ def transposed(t: torch.Tensor) -> torch.Tensor:
     t = t if t.stride(1) == 1 else t.contiguous()
     r, c = t.shape
     out = torch.empty(c, r, dtype=t.dtype, device=t.device)
-    launch(_transpose_kernel, (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE)), t, out, r, c, t.stride(0),
+    launch(_transpose_kernel, (cdiv(r, _TILE), cdiv(c, _TILE)), t, out, r, c, t.stride(0),
            out.stride(0), TILE=_TILE, num_warps=4)
     return out
 
@@ -154,7 +154,7 @@ def guard_bounds(wg: Optional[torch.Tensor], wu: torch.Tensor, wd: torch.Tensor,
         raise ValueError(f"wu must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")
     wu_ = wu if wu.stride(1) == 1 else wu.contiguous()
     wg_ = (wg if wg.stride(1) == 1 else wg.contiguous()) if gated else wu_
-    launch(_weight_facts_kernel, (max(1, triton.cdiv(max(h, d), _ROWS)), 4),
+    launch(_weight_facts_kernel, (max(1, cdiv(max(h, d), _ROWS)), 4),
         wu_, wd, wg_, bg if bg is not None else bounds, bu if bu is not None else bounds,
         bd if bd is not None else bounds, facts, bounds[0], bounds[1],
         h, d, wu_.stride(0), wd.stride(1), wd.stride(0), wg_.stride(0),

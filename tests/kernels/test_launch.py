@@ -145,3 +145,9 @@ def _key(fn, *args, **kwargs):
     device = torch.cuda.current_device()
     _, specialization, options = fn.device_caches[device][4](*args, **kwargs)
     return (id(fn), device, tuple(specialization), tuple(options.items()))
+
+
+@given(a=st.integers(0, 10**6), b=st.integers(1, 5000))
+def test_host_grid_helpers_match_triton(a, b):
+    assert L.cdiv(a, b) == triton.cdiv(a, b)
+    assert L.next_power_of_2(a) == triton.next_power_of_2(a)
