@@ -16,6 +16,8 @@ Here a kernel already compiled for a call's exact specialization is launched dir
   unchanged (compiling and autotuning there), and its result is remembered;
 * launch hooks (profilers) still run when any are registered;
 * what remains per call is Triton's binder, the grid and the compiled launcher: 20–30 µs;
+* while a CUDA graph is captured, a tuning key never seen runs the kernel's first config that
+  passes its pruning (with a warning) instead of timing configs, which would break the capture;
 * anything this module does not recognise (the interpreter, another Triton version's internals)
   falls back to ``kernel[grid](...)``.
 """
@@ -23,6 +25,7 @@ Here a kernel already compiled for a call's exact specialization is launched dir
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Union
 
 import torch
@@ -86,7 +89,9 @@ def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
     if tuner is not None:
         key = (id(tuner), _tuning_key(tuner, args, kwargs))
         config = _configs.get(key)
-        if config is None:  # Triton tunes (or finds the tuned config) and launches
+        if config is None and _capturing():
+            config = _untuned_config(tuner, args, kwargs)
+        elif config is None:  # Triton tunes (or finds the tuned config) and launches
             kernel[grid](*args, **kwargs)
             _configs[key] = tuner.best_config
             return
@@ -98,6 +103,26 @@ def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
         for name, rule in h.values.items():
             kwargs[name] = rule({**dict(zip(h.arg_names, args)), **kwargs})
     _launch_jit(fn, grid, args, kwargs)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _untuned_config(tuner: "Autotuner", args: tuple, kwargs: dict):
+    """The config to launch with while a CUDA graph is captured and this key was never tuned:
+    timing configs would synchronise, which a capture forbids. The first config that passes the
+    kernel's pruning: any config computes the same result; this one may be slower. Not
+    remembered, so the next call outside capture tunes."""
+    tuner.nargs = dict(zip(tuner.arg_names, args))
+    try:
+        config = tuner.prune_configs(kwargs)[0]
+    finally:
+        tuner.nargs = None
+    warnings.warn(f"twell: {tuner.base_fn.__name__} was never tuned for these arguments and a CUDA graph is "
+                  f"being captured, so it runs an untuned config ({config}) in this graph. Run the layer "
+                  f"once outside the capture to tune it first.", RuntimeWarning, stacklevel=3)
+    return config
 
 
 _layer_cache: dict = {}

@@ -13,8 +13,10 @@ path never synchronises the host:
   for its backward, as dense autograd does.
 
 Both paths compute the same function for every input (DESIGN.md section 5): the choice costs or
-saves time, never correctness. Under CUDA-graph capture the path chosen before capture is the one
-recorded and replayed (host-side decisions cannot run inside a graph replay).
+saves time, never correctness. Under CUDA-graph capture the path chosen at capture is the one
+recorded and replayed (host-side decisions cannot run inside a graph replay): sparse from
+``SPARSE_MIN_TOKENS_CAPTURED`` tokens when the layer's density was known before the capture and
+its problem's kernels were tuned outside it (``_WARM``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ SPARSE_MAX_DENSITY = {"inference": 0.008, "training": 0.0065}
 # the H200's host in session 4: op dispatch, Triton launches, guard and telemetry ops), which dense cuBLAS
 # at D=2048, H=5632 undercuts below ~9.4k tokens (M=4096: sparse 1.40 ms, dense 0.44 ms).
 SPARSE_MIN_TOKENS = 12288
+# Inside a CUDA graph there is no host time to pay, so the sparse path beats dense from fewer
+# tokens: with every provider captured, at 0.5% density, 1.19x inference and 1.38x training at
+# 8192 tokens, 1.03x / 1.23x at 4096 (H200, docs/benchmarks.md, session 12). Used while capturing.
+SPARSE_MIN_TOKENS_CAPTURED = 8192
 # Above this fraction of rows computed densely (overflow, guard) the dense path is faster.
 SPARSE_MAX_DENSE_ROWS = 0.02
 # The training L1 value for stats() costs a pass over the TwELL buffers: measure it every N calls.
@@ -119,20 +125,33 @@ _DENSE_FORWARDS_MAX = 4096
 # A dense training forward also keeps relu(gate), up and h here for its backward (what dense
 # autograd saves), which then skips recomputing them: two of its GEMMs. Popped by
 # the backward; bounded, and an evicted or missing entry only means recomputing (exact). Not kept
-# under CUDA-graph capture, nor under saved-tensor hooks (activation checkpointing, offloading),
-# which exist to control what is saved.
+# under CUDA-graph capture, for layers compiled for CUDA graphs (below), nor under saved-tensor
+# hooks (activation checkpointing, offloading), which exist to control what is saved.
 _DENSE_SAVED: "OrderedDict[int, tuple]" = OrderedDict()
 _DENSE_SAVED_MAX = 64
 
 
-def _remember(count: torch.Tensor, dense: bool, saved: Optional[tuple] = None) -> None:
+# Layers compiled to run under CUDA graphs (Inductor's cudagraph trees, e.g. mode="reduce-overhead"),
+# set by the backend at compile time. Their warm-up runs eagerly in the graphs' memory pool, where
+# a tensor kept after the op returns, such as the hand-off above, is an error ("tensors in the
+# cudagraph pool not tracked as outputs"), so they keep nothing there.
+_CUDA_GRAPH_LAYERS: set = set()
+
+
+def mark_cuda_graph_layers(layers) -> None:
+    """Layers whose graph Inductor will run under CUDA graphs (called by the backend)."""
+    _CUDA_GRAPH_LAYERS.update(layers)
+
+
+def _remember(count: torch.Tensor, dense: bool, saved: Optional[tuple] = None, layer: Optional[int] = None) -> None:
     key = count.data_ptr()
     _DENSE_FORWARDS[key] = dense
     _DENSE_FORWARDS.move_to_end(key)
     while len(_DENSE_FORWARDS) > _DENSE_FORWARDS_MAX:
         _DENSE_FORWARDS.popitem(last=False)
     _DENSE_SAVED.pop(key, None)
-    if saved is not None and not _capturing() and not _saved_tensor_hooks_active():
+    if (saved is not None and not _capturing() and layer not in _CUDA_GRAPH_LAYERS
+            and not _saved_tensor_hooks_active()):
         _DENSE_SAVED[key] = saved
         while len(_DENSE_SAVED) > _DENSE_SAVED_MAX:
             _DENSE_SAVED.popitem(last=False)
@@ -145,6 +164,32 @@ def _saved_tensor_hooks_active() -> bool:
     return top(False) is not None
 
 
+# Problems whose sparse kernels have run outside capture, so are tuned and compiled ("warm"): a
+# capture takes the sparse path only for those, since autotuning cannot run inside a capture. Keys:
+# ("forward" | "backward", *_signature(...)); the kernels' tuning keys never depend on the token count.
+_WARM: set = set()
+
+
+def _signature(x2d, wg, wu, bg, bu, bd, training: bool) -> tuple:
+    return (x2d.device, x2d.dtype, x2d.shape[1], wu.shape[0], wg is not None,
+            *(None if b is None else b.dtype for b in (bg, bu, bd)), training)
+
+
+def _warm(signature: tuple) -> bool:
+    training = signature[-1]
+    return ("forward", *signature) in _WARM and (not training or ("backward", *signature) in _WARM)
+
+
+def _enough_tokens(tokens: int, signature: tuple, capturing: bool) -> bool:
+    """Whether a call of ``tokens`` tokens, at a density the policy finds sparse, takes the sparse
+    path: from ``SPARSE_MIN_TOKENS`` outside capture, from ``SPARSE_MIN_TOKENS_CAPTURED`` in a
+    capture once warm. A call outside capture that a capture would send sparse goes sparse while
+    the problem is cold, once, so that its kernels are tuned before any capture."""
+    if capturing:
+        return tokens >= SPARSE_MIN_TOKENS_CAPTURED and _warm(signature)
+    return tokens >= SPARSE_MIN_TOKENS or (tokens >= SPARSE_MIN_TOKENS_CAPTURED and not _warm(signature))
+
+
 def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     """Returns ``(ForwardResult, sparse: bool)`` and records the layer's counters.
 
@@ -154,8 +199,10 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     Either path's counting kernel stores the call's record in the layer's telemetry itself.
     """
     policy = _policy(layer, x2d.device)
+    capturing = _capturing()
+    signature = _signature(x2d, wg, wu, bg, bu, bd, training)
     if FORCE_PATH is None:
-        sparse = policy.choose(training) and x2d.shape[0] >= SPARSE_MIN_TOKENS
+        sparse = policy.choose(training) and _enough_tokens(x2d.shape[0], signature, capturing)
     else:
         sparse = FORCE_PATH == "sparse"
     sparse = sparse and x2d.dtype != torch.float64
@@ -164,10 +211,12 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     record = telemetry.call_record(layer, x2d.device, sparse)
     if sparse:
         res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record)
+        if not capturing:
+            _WARM.add(("forward", *signature))
     else:
         res, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record)
     if training:
-        _remember(res.packed.count, not sparse, saved)
+        _remember(res.packed.count, not sparse, saved, layer)
     if res.l1 is not None:
         telemetry.record_l1(layer, res.l1)
     policy.after(telemetry.buffer(layer, x2d.device), wu.shape[0])
@@ -286,7 +335,10 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     from twell_compile.kernels.sparse_ffn_bwd import sparse_ffn_backward
 
     dense_rows = _backward_guard_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed)
-    return sparse_ffn_backward(dout2d, x2d, wg, wu, _DownRows.get(wd), bg, bu, bd, packed, up_val, dense_rows, l1_scale)
+    grads = sparse_ffn_backward(dout2d, x2d, wg, wu, _DownRows.get(wd), bg, bu, bd, packed, up_val, dense_rows, l1_scale)
+    if not _capturing():
+        _WARM.add(("backward", *_signature(x2d, wg, wu, bg, bu, bd, True)))
+    return grads
 
 
 def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> reference.Grads:

@@ -34,9 +34,19 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[st
         opts = active_options() or TwellOptions()
     else:
         opts = TwellOptions.from_dict(options)
-    rewrite_ffns(gm, opts, graph_name=f"graph{next(_graph_ids)}")
+    rewrite_ffns(gm, opts, graph_name=f"graph{next(_graph_ids)}",
+                 cuda_graphs=opts.inner == "inductor" and uses_cuda_graphs(mode))
     gm.meta[REWRITTEN_META] = True  # the TWELL=1 pre-grad pass must not rewrite it again
     return compile_inner(gm, example_inputs, opts.inner, mode)
+
+
+def uses_cuda_graphs(mode: Optional[str]) -> bool:
+    """Whether Inductor compiles with CUDA graphs in ``mode`` (``reduce-overhead``, ``max-autotune``)
+    or because ``torch._inductor.config.triton.cudagraphs`` is set."""
+    from torch._inductor import config, list_mode_options
+
+    patches = dict(list_mode_options(mode or "default", dynamic=None) or {})
+    return bool(patches.get("triton.cudagraphs", config.triton.cudagraphs))
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs: list, inner: str, mode: Optional[str] = None) -> Callable:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -29,7 +30,9 @@ class TwellPreGradPass(CustomGraphPass):
         if gm is None or gm.meta.get(REWRITTEN_META):
             return  # already rewritten by backend="twell"
         gm.meta[REWRITTEN_META] = True
-        rewrite_ffns(gm, self.options, graph_name=f"inductor{next(_ids)}")
+        # Inductor's config, mode patches included, is in force while its passes run
+        rewrite_ffns(gm, self.options, graph_name=f"inductor{next(_ids)}",
+                     cuda_graphs=bool(torch._inductor.config.triton.cudagraphs))
 
     def uuid(self):
         inner = self.inner.uuid() if hasattr(self.inner, "uuid") else repr(self.inner)

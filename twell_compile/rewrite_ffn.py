@@ -18,6 +18,7 @@ from torch import fx
 
 from . import reporting
 from .l1 import coefficient_tensor
+from .lowering import cuda_impl
 from .match_ffn import FfnMatch, _val, find_ffns, where
 from .options import TwellOptions
 from .reporting import Rewritten, Skipped
@@ -30,8 +31,12 @@ class TwellRewriteError(RuntimeError):
     """Raised with ``strict=True`` when an FFN-like pattern cannot be rewritten."""
 
 
-def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = "") -> tuple[list[Rewritten], list[Skipped]]:
-    """Rewrite every FFN of ``gm`` in place; returns what was rewritten and what was skipped."""
+def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = "", *,
+                 cuda_graphs: bool = False) -> tuple[list[Rewritten], list[Skipped]]:
+    """Rewrite every FFN of ``gm`` in place; returns what was rewritten and what was skipped.
+
+    ``cuda_graphs``: the inner compiler runs this graph under CUDA graphs (cudagraph trees), whose
+    memory rules the ops then follow (``lowering.cuda_impl.mark_cuda_graph_layers``)."""
     matches, skipped = find_ffns(gm)
     skipped = [Skipped(s.where, s.reason, s.detail, graph_name) for s in skipped]
     if options.strict and skipped:
@@ -48,6 +53,8 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
     if matches:
         gm.graph.lint()
         gm.recompile()
+    if cuda_graphs:
+        cuda_impl.mark_cuda_graph_layers(r.layer for r in rewritten)
     reporting.record(rewritten, skipped)
     return rewritten, skipped
 

@@ -151,3 +151,23 @@ def _key(fn, *args, **kwargs):
 def test_host_grid_helpers_match_triton(a, b):
     assert L.cdiv(a, b) == triton.cdiv(a, b)
     assert L.next_power_of_2(a) == triton.next_power_of_2(a)
+
+
+@gpu
+def test_a_capture_never_autotunes_it_runs_an_untuned_config_once():
+    n = 1000  # a tuning key no other test uses
+    x = torch.randn(n, device="cuda")
+    out = torch.zeros_like(x)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
+    key = (id(_scale_kernel), L._tuning_key(_scale_kernel, (x, out, n, 5.0), {}))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(RuntimeWarning, match="never tuned"):
+        with torch.cuda.graph(graph):
+            L.launch(_scale_kernel, grid, x, out, n, 5.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, x * 5.0, rtol=0, atol=0)
+    assert key not in L._configs  # the next call outside the capture tunes
+    L.launch(_scale_kernel, grid, x, out, n, 6.0)
+    assert L._configs[key] is _scale_kernel.best_config
+    torch.testing.assert_close(out, x * 6.0, rtol=0, atol=0)

@@ -1,7 +1,8 @@
 """The CUDA path's finiteness guard (``lowering/cuda_impl.py``): its kernel runs under the interpreter on CPU.
 
 It must flag at least every row the reference guard flags (a superset only costs speed), and
-its weight facts must be recomputed when a weight changes in place.
+its weight facts must be recomputed when a weight changes in place. Also the dispatch's token
+thresholds in and out of CUDA-graph capture (pure host logic).
 """
 
 import torch
@@ -124,3 +125,25 @@ def test_down_rows_copy_is_kept_until_the_weight_changes():
     assert second is not first and torch.equal(second, wd)
     rows = torch.randn(10, 6)
     assert cuda_impl._DownRows.get(rows.t()).data_ptr() == rows.data_ptr()  # already Wdᵀ-major: no copy
+
+
+def test_token_thresholds_in_and_out_of_capture(monkeypatch):
+    """Outside capture: sparse from SPARSE_MIN_TOKENS, and once from SPARSE_MIN_TOKENS_CAPTURED
+    while the problem is cold (to tune its kernels); in a capture: from SPARSE_MIN_TOKENS_CAPTURED,
+    warm problems only. A training problem is warm once both its forward and backward ran."""
+    monkeypatch.setattr(cuda_impl, "_WARM", set())
+    low, high = cuda_impl.SPARSE_MIN_TOKENS_CAPTURED, cuda_impl.SPARSE_MIN_TOKENS
+    x, wg, wu, wd, bg, bu, bd = _ffn()
+    for training in (False, True):
+        sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, training)
+        enough = lambda m, capturing: cuda_impl._enough_tokens(m, sig, capturing)  # noqa: E731
+        assert not cuda_impl._warm(sig)
+        assert [enough(m, False) for m in (low - 1, low, high - 1, high)] == [False, True, True, True]
+        assert [enough(m, True) for m in (low, high)] == [False, False]
+        cuda_impl._WARM.add(("forward", *sig))
+        assert cuda_impl._warm(sig) == (not training)
+        cuda_impl._WARM.add(("backward", *sig))
+        assert cuda_impl._warm(sig)
+        assert [enough(m, False) for m in (low - 1, low, high - 1, high)] == [False, False, False, True]
+        assert [enough(m, True) for m in (low - 1, low, high)] == [False, True, True]
+    assert cuda_impl._signature(x, None, wu, None, bu, bd, False) != cuda_impl._signature(x, wg, wu, bg, bu, bd, False)

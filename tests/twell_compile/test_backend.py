@@ -449,3 +449,41 @@ def test_stats_after_a_training_step():
     twell_compile.reset()
     assert twell_compile.stats().layers == [] and twell_compile.stats().l0 is None
     assert "no rewritten layer" in str(twell_compile.stats())
+
+
+@pytest.mark.parametrize("mode,graphs", [(None, False), ("default", False), ("reduce-overhead", True),
+                                         ("max-autotune", True), ("max-autotune-no-cudagraphs", False)])
+def test_modes_with_cuda_graphs_are_recognised(mode, graphs):
+    from twell_compile.backend import uses_cuda_graphs
+
+    assert uses_cuda_graphs(mode) is graphs
+
+
+def test_layers_compiled_for_cuda_graphs_keep_no_activations_between_forward_and_backward(monkeypatch):
+    """Under cudagraph trees the forward's warm-up runs in the graphs' memory pool, where a tensor
+    kept past the op (the dense path's hand-off to its backward) is an error: such layers are
+    marked at compile time, and the op then keeps nothing for them."""
+    from twell_compile.lowering import cuda_impl
+    from twell_compile.options import TwellOptions
+    from twell_compile.rewrite_ffn import rewrite_ffns
+
+    monkeypatch.setattr(cuda_impl, "_CUDA_GRAPH_LAYERS", set())
+    reset_state()
+    torch.compile(GatedFFN(D, H), backend="twell", options={"inner": "eager"})(torch.randn(2, D))
+    assert cuda_impl._CUDA_GRAPH_LAYERS == set()  # no graphs: nothing marked
+
+    def graphs_backend(gm, example_inputs):
+        rewritten, _ = rewrite_ffns(gm, TwellOptions(), cuda_graphs=True)
+        assert rewritten
+        assert cuda_impl._CUDA_GRAPH_LAYERS == {r.layer for r in rewritten}
+        return gm.forward
+
+    torch.compile(GatedFFN(D, H), backend=graphs_backend)(torch.randn(2, D))
+    assert cuda_impl._CUDA_GRAPH_LAYERS
+    count = torch.zeros(4, dtype=torch.int32)
+    saved = (torch.ones(1),) * 3
+    cuda_impl._remember(count, True, saved, next(iter(cuda_impl._CUDA_GRAPH_LAYERS)))
+    assert count.data_ptr() not in cuda_impl._DENSE_SAVED
+    cuda_impl._remember(count, True, saved, -1)  # an unmarked layer keeps them
+    assert cuda_impl._DENSE_SAVED.pop(count.data_ptr()) is saved
+    reset_state()
