@@ -49,8 +49,9 @@ SPARSE_MAX_DENSITY = {"inference": 0.008, "training": 0.0065}
 # at D=2048, H=5632 undercuts below ~9.4k tokens (M=4096: sparse 1.40 ms, dense 0.44 ms).
 SPARSE_MIN_TOKENS = 12288
 # Inside a CUDA graph there is no host time to pay, so the sparse path beats dense from fewer
-# tokens: with every provider captured, at 0.5% density, 1.19x inference and 1.38x training at
-# 8192 tokens, 1.03x / 1.23x at 4096 (H200, docs/benchmarks.md, session 12). Used while capturing.
+# tokens: with every provider captured, at 8192 tokens 1.19-1.30x inference and 1.38-1.47x
+# training at 0.5% density, 1.01x / 1.12x at 0.8%; at 4096 only 1.03x / 1.23x at 0.5% (H200,
+# docs/benchmarks.md, sessions 12 and 13). Used while capturing.
 SPARSE_MIN_TOKENS_CAPTURED = 8192
 # Above this fraction of rows computed densely (overflow, guard) the dense path is faster.
 SPARSE_MAX_DENSE_ROWS = 0.02
