@@ -171,3 +171,20 @@ def test_a_capture_never_autotunes_it_runs_an_untuned_config_once():
     L.launch(_scale_kernel, grid, x, out, n, 6.0)
     assert L._configs[key] is _scale_kernel.best_config
     torch.testing.assert_close(out, x * 6.0, rtol=0, atol=0)
+
+
+def test_the_untuned_config_is_the_first_one_pruning_keeps():
+    """What a capture runs for a key never tuned (host logic only: no launch, no GPU)."""
+    configs = [triton.Config({"BLOCK": b}) for b in (16, 32, 64)]
+    seen = {}
+
+    def drop_small(configs, nargs, **kwargs):
+        seen.update(nargs)
+        return [c for c in configs if c.kwargs["BLOCK"] >= nargs["n"]]
+
+    tuner = triton.autotune(configs=configs, key=["n"], prune_configs_by={"early_config_prune": drop_small})(_add_kernel)
+    x = torch.zeros(4)
+    with pytest.warns(RuntimeWarning, match="never tuned"):
+        config = L._untuned_config(tuner, (x, x, x, 20), {})
+    assert config is configs[1]
+    assert seen["n"] == 20 and tuner.nargs is None
