@@ -25,6 +25,7 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[st
 
     The FFNs are matched on the torch-level graph, before AOTAutograd, so their autograd is the
     TwELL ops' own (with the L1 injection); the inner compiler then compiles the whole graph.
+    ``mode`` comes from ``torch.compile(mode=...)`` or, with other options, ``options["mode"]``.
     """
     if options is None:
         # A bare torch.compile under TWELL=1 reaches here through set_default_backend, with no
@@ -34,6 +35,8 @@ def twell_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[st
         opts = active_options() or TwellOptions()
     else:
         opts = TwellOptions.from_dict(options)
+    if mode is None:
+        mode = opts.mode
     rewrite_ffns(gm, opts, graph_name=f"graph{next(_graph_ids)}",
                  cuda_graphs=opts.inner == "inductor" and uses_cuda_graphs(mode))
     gm.meta[REWRITTEN_META] = True  # the TWELL=1 pre-grad pass must not rewrite it again

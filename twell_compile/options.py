@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+# torch.compile's modes (Inductor's: torch._inductor.list_mode_options)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -23,11 +25,15 @@ class TwellOptions:
         inner: compiler for the rewritten graph. Values: ``"inductor"`` (default),
             ``"aot_eager"`` (AOTAutograd, no code generation), ``"eager"`` (rewrite only).
         strict: raise ``TwellRewriteError`` instead of leaving an FFN-like pattern unrewritten.
+        mode: the inner Inductor's compile mode, e.g. ``"reduce-overhead"`` (CUDA graphs).
+            ``torch.compile`` takes ``mode`` or ``options`` but not both, so with other options
+            pass it here: ``options={"mode": "reduce-overhead", "l1_coeff": 1e-5}``.
     """
 
     l1_coeff: float = 2e-5
     inner: str = "inductor"
     strict: bool = False
+    mode: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_l1(self.l1_coeff, "options['l1_coeff']")
@@ -35,6 +41,8 @@ class TwellOptions:
             raise ValueError(f"twell: options['inner'] = {self.inner!r} is not accepted; use one of {', '.join(INNER_COMPILERS)}")
         if not isinstance(self.strict, bool):
             raise ValueError(f"twell: options['strict'] = {self.strict!r} is not accepted; use True or False")
+        if self.mode is not None and self.mode not in COMPILE_MODES:
+            raise ValueError(f"twell: options['mode'] = {self.mode!r} is not accepted; use one of {', '.join(COMPILE_MODES)}")
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> "TwellOptions":

@@ -104,12 +104,13 @@ def test_backend_works_without_importing_twell_compile():
 
 
 BAD_OPTIONS = [
-    ({"foo": 1}, "'foo'", ["inner", "l1_coeff", "strict"]),
+    ({"foo": 1}, "'foo'", ["inner", "l1_coeff", "mode", "strict"]),
     ({"l1_coeff": -1}, "l1_coeff", [">= 0"]),
     ({"l1_coeff": float("nan")}, "l1_coeff", [">= 0"]),
     ({"l1_coeff": "2e-5"}, "l1_coeff", [">= 0"]),
     ({"inner": "foo"}, "inner", ["inductor", "aot_eager", "eager"]),
     ({"strict": "yes"}, "strict", ["True", "False"]),
+    ({"mode": "fast"}, "mode", ["default", "reduce-overhead", "max-autotune"]),
 ]
 
 
@@ -129,9 +130,26 @@ def test_invalid_options_raise_value_error(options, key, accepted):
 
 
 def test_valid_options_are_accepted():
-    opts = TwellOptions.from_dict({"l1_coeff": 0, "inner": "aot_eager", "strict": True})
-    assert (opts.l1_coeff, opts.inner, opts.strict) == (0, "aot_eager", True)
+    opts = TwellOptions.from_dict({"l1_coeff": 0, "inner": "aot_eager", "strict": True, "mode": "reduce-overhead"})
+    assert (opts.l1_coeff, opts.inner, opts.strict, opts.mode) == (0, "aot_eager", True, "reduce-overhead")
     assert TwellOptions.from_dict(None) == TwellOptions()
+
+
+def test_mode_in_options_reaches_inductor_with_other_options(monkeypatch):
+    """torch.compile refuses ``mode`` together with ``options``: ``options["mode"]`` stands in, and
+    acts as ``mode`` does (Inductor's mode, layers marked for CUDA graphs)."""
+    from twell_compile import backend
+    from twell_compile.lowering import cuda_impl
+
+    seen = []
+    monkeypatch.setattr(backend, "compile_inner", lambda gm, inputs, inner, mode=None: seen.append(mode) or gm.forward)
+    monkeypatch.setattr(cuda_impl, "_CUDA_GRAPH_LAYERS", set())
+    reset_state()
+    torch.compile(GatedFFN(D, H), backend="twell", options={"mode": "reduce-overhead", "l1_coeff": 1e-5})(torch.randn(2, D))
+    assert seen == ["reduce-overhead"] and cuda_impl._CUDA_GRAPH_LAYERS
+    with pytest.raises(RuntimeError, match="mode or options"):  # why the option exists
+        torch.compile(GatedFFN(D, H), backend="twell", mode="reduce-overhead", options={"l1_coeff": 1e-5})
+    reset_state()
 
 
 # ---------------------------------------------------------------------------------------------
