@@ -33,6 +33,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .options import COMPILE_MODES
+
 DEFAULT_DENSITIES = (0.003, 0.005, 0.01, 0.02, 0.05, 0.2, 0.5)
 E2E_DENSITIES = (0.003, 0.005, 0.02)  # each point compiles the whole model twice per mode
 
@@ -281,6 +283,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     e2e.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     e2e.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     e2e.add_argument("--iters", type=int, default=10, help="timed steps per point (default 10)")
+    e2e.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                     help="torch.compile mode of both backends (default: default; reduce-overhead: CUDA graphs)")
     e2e.add_argument("--lr", type=float, default=0.0,
                      help="AdamW learning rate of the training steps (default 0: the weights, and so the calibrated density, stay put)")
     args = parser.parse_args(argv)
@@ -332,9 +336,10 @@ def _main_e2e(args) -> int:
     t0 = time.time()
     csv_path = args.out / "e2e.csv"
     rows = run(args.densities, layers=args.layers, batch=args.batch, seq=args.seq, modes=tuple(args.modes),
-               iters=args.iters, lr=args.lr, log=lambda line: print(line, flush=True),
+               iters=args.iters, lr=args.lr, compile_mode=args.compile_mode, log=lambda line: print(line, flush=True),
                on_point=lambda so_far: write_csv(so_far, csv_path))  # saved per density: a run takes minutes
-    print(f"\ntwell bench --e2e on {torch.cuda.get_device_name()} (torch {torch.__version__}); {time.time() - t0:.0f} s")
+    print(f"\ntwell bench --e2e on {torch.cuda.get_device_name()} (torch {torch.__version__}), compile mode "
+          f"{args.compile_mode}; {time.time() - t0:.0f} s")
     print(format_table(rows))
     print(f"wrote {csv_path}")
     return 0

@@ -48,6 +48,7 @@ class E2ERow:
     inductor_tok_s: float
     twell_tok_s: float
     speedup: float  # twell ÷ inductor tokens/s
+    compile_mode: str = "default"  # torch.compile's mode, the same for both backends
 
 
 def llama_config(**overrides):
@@ -114,9 +115,19 @@ def _tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: i
 
 def run_point(base, density: float, *, batch: int, seq: int, modes=("inference", "training"), warmup: int = 3,
               iters: int = 10, baseline: str = "inductor", l1_coeff: float = 2e-5, lr: float = 0.0, device: str = "cuda",
-              log: Callable[[str], None] = print) -> list[E2ERow]:
-    """Calibrate ``base`` (in place) for ``density`` and time both backends on it."""
+              compile_mode: str = "default", log: Callable[[str], None] = print) -> list[E2ERow]:
+    """Calibrate ``base`` (in place) for ``density`` and time both backends on it, both compiled in
+    ``compile_mode`` (``"reduce-overhead"``: CUDA graphs, each step begun by
+    ``torch.compiler.cudagraph_mark_step_begin``)."""
     import twell_compile
+
+    from .backend import uses_cuda_graphs
+    from .options import COMPILE_MODES
+
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
+    graphs = uses_cuda_graphs(compile_mode)
+    mark_step = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = base.config.vocab_size
@@ -130,22 +141,29 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
         for backend in (baseline, "twell"):
             torch._dynamo.reset()
             twell_compile.reset()
+            # torch.compile takes mode or options, not both: twell takes its mode as an option
+            options = {"l1_coeff": l1_coeff} if mode == "training" else {}
+            if compile_mode != "default":
+                options["mode"] = compile_mode
+            kwargs = ({"options": options} if options else {}) if backend == "twell" else (
+                {"mode": compile_mode} if compile_mode != "default" else {})
             if mode == "inference":
                 model = base.eval()
-                compiled = torch.compile(model.model, backend=backend)
+                compiled = torch.compile(model.model, backend=backend, **kwargs)
 
                 def step():
+                    mark_step()
                     with torch.no_grad():
                         return compiled(tokens)
             else:
                 import copy
 
                 model = copy.deepcopy(base).train()
-                opts = {"options": {"l1_coeff": l1_coeff}} if backend == "twell" else {}
-                compiled = torch.compile(model, backend=backend, **opts)
+                compiled = torch.compile(model, backend=backend, **kwargs)
                 opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
                 def step():
+                    mark_step()
                     loss = compiled(tokens, labels=tokens).loss
                     loss.backward()
                     opt.step()
@@ -163,14 +181,14 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         rows.append(E2ERow(mode, density, measured, sparse_layers, dense_rows, layers, n_tokens, speeds[baseline], speeds["twell"],
-                           speeds["twell"] / speeds[baseline]))
+                           speeds["twell"] / speeds[baseline], compile_mode))
     return rows
 
 
 def run(densities, *, layers: int = 38, batch: int = 8, seq: int = 2048, modes=("inference", "training"),
         warmup: int = 3, iters: int = 10, lr: float = 0.0, device: str = "cuda", dtype=torch.bfloat16,
-        config_overrides: Optional[dict] = None, baseline: str = "inductor", log: Callable[[str], None] = print,
-        on_point: Optional[Callable[[list[E2ERow]], None]] = None) -> list[E2ERow]:
+        config_overrides: Optional[dict] = None, baseline: str = "inductor", compile_mode: str = "default",
+        log: Callable[[str], None] = print, on_point: Optional[Callable[[list[E2ERow]], None]] = None) -> list[E2ERow]:
     """The end-to-end benchmark over ``densities`` on one model (rebuilt per density).
 
     ``on_point`` gets the rows so far after each density (a point takes minutes: the caller can
@@ -186,7 +204,7 @@ def run(densities, *, layers: int = 38, batch: int = 8, seq: int = 2048, modes=(
         log(f"density {density:.2%}: Llama {layers} layers, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, "
             f"{batch}x{seq} tokens, {dtype}")
         rows += run_point(base, density, batch=batch, seq=seq, modes=modes, warmup=warmup, iters=iters, lr=lr,
-                          baseline=baseline, device=device, log=log)
+                          baseline=baseline, device=device, compile_mode=compile_mode, log=log)
         del base
         if on_point is not None:
             on_point(list(rows))

@@ -75,3 +75,27 @@ def test_run_times_both_backends_in_both_modes():
     assert any("calibrated gate biases" in line for line in lines)
     table = bench_e2e.format_table(rows, baseline="aot_eager")
     assert "training" in table and "aot_eager tok/s" in table and "dense rows" in table
+
+
+def test_compile_mode_reaches_both_backends(monkeypatch):
+    """``--compile-mode``: Inductor gets ``mode``; twell, which also needs ``options`` (torch.compile
+    refuses both), gets ``options["mode"]``; the rows say which mode they timed."""
+    seen = []
+
+    def fake_compile(model, *, backend, **kwargs):
+        seen.append((backend, kwargs))
+        return model  # eager: this test is about the arguments
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    rows = bench_e2e.run([0.05], layers=1, batch=1, seq=8, warmup=1, iters=1, device="cpu", dtype=torch.float32,
+                         config_overrides=TINY, compile_mode="reduce-overhead", log=lambda line: None)
+    assert [r.compile_mode for r in rows] == ["reduce-overhead"] * 2
+    assert seen == [
+        ("inductor", {"mode": "reduce-overhead"}),
+        ("twell", {"options": {"mode": "reduce-overhead"}}),
+        ("inductor", {"mode": "reduce-overhead"}),
+        ("twell", {"options": {"l1_coeff": 2e-5, "mode": "reduce-overhead"}}),
+    ]
+    with pytest.raises(ValueError, match="compile_mode"):
+        bench_e2e.run([0.05], layers=1, batch=1, seq=8, device="cpu", dtype=torch.float32, config_overrides=TINY,
+                      compile_mode="fast", log=lambda line: None)
