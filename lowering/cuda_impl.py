@@ -16,7 +16,8 @@ Both paths compute the same function for every input (DESIGN.md section 5): the 
 saves time, never correctness. Under CUDA-graph capture the path chosen at capture is the one
 recorded and replayed (host-side decisions cannot run inside a graph replay): sparse from
 ``SPARSE_MIN_TOKENS_CAPTURED`` tokens when the layer's density was known before the capture and
-its problem's kernels were tuned outside it (``_WARM``).
+its problem's kernels were tuned outside it (``_WARM``). Layers compiled for CUDA graphs see to
+both on their eager warm-up call (``_prepare_capture``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class _LayerPolicy:
         self.event: Optional[torch.cuda.Event] = None
         self.density = 1.0  # unknown until the first call's counters arrive: start dense
         self.dense_row_fraction = 1.0
+        self.measured = False  # whether counters have arrived yet
         self.calls = 0
 
     def choose(self, training: bool) -> bool:
@@ -89,8 +91,14 @@ class _LayerPolicy:
             self.density = v["active"] / tokens / max(1.0, self._hidden)
             self.dense_row_fraction = v["dense_rows"] / tokens
             self.event = None
+            self.measured = True
         limit = SPARSE_MAX_DENSITY["training" if training else "inference"]
         return self.density < limit and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS
+
+    def settle(self) -> None:
+        """Wait for the pending counters copy: a host sync, for CUDA-graph warm-ups only."""
+        if self.event is not None:
+            self.event.synchronize()
 
     def after(self, buf: torch.Tensor, hidden: int) -> None:
         self.calls += 1
@@ -209,9 +217,10 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     sparse = sparse and x2d.dtype != torch.float64
     want_l1 = training and policy.calls % L1_EVERY == 0
     saved = None
+    keep = layer not in _CUDA_GRAPH_LAYERS
     record = telemetry.call_record(layer, x2d.device, sparse)
     if sparse:
-        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record)
+        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record, keep=keep)
         if not capturing:
             _WARM.add(("forward", *signature))
     else:
@@ -221,7 +230,40 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     if res.l1 is not None:
         telemetry.record_l1(layer, res.l1)
     policy.after(telemetry.buffer(layer, x2d.device), wu.shape[0])
+    if not keep and not capturing and FORCE_PATH is None and x2d.dtype != torch.float64:
+        _prepare_capture(policy, x2d, wg, wu, wd, bg, bu, bd, sparse, training, signature, layer)
     return res, sparse
+
+
+def _prepare_capture(policy, x2d, wg, wu, wd, bg, bu, bd, sparse: bool, training: bool, signature: tuple,
+                     layer: int) -> None:
+    """Prepare a layer compiled for CUDA graphs to record the sparse path.
+
+    Inductor's cudagraph trees warm each graph up with one eager call, then record it. A layer's
+    density is known only one call late, and autotuning cannot run inside a capture, so the
+    recording would take the dense path. So on such a call (outside capture):
+
+    * the layer's first counters are waited for (a host sync, on its first call only), so that
+      the capture knows its density;
+    * if the policy then picks sparse for a problem whose sparse kernels never ran, they run once
+      on the same inputs (forward and, in training, backward with a zero ``dout``), results and
+      counters discarded; the call's own result is the one already computed.
+    """
+    from twell_compile.kernels.dense_rows import CallRecord
+
+    if not policy.measured:
+        policy.settle()
+    picks_sparse = policy.choose(training)  # reads the counters now, while not capturing
+    if sparse or not picks_sparse or x2d.shape[0] < SPARSE_MIN_TOKENS_CAPTURED or _warm(signature):
+        return
+    dev = x2d.device
+    scratch = CallRecord(torch.zeros(5, dtype=torch.float64, device=dev), torch.zeros(3, dtype=torch.int64, device=dev), 1.0)
+    res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, False, scratch, keep=False)
+    _WARM.add(("forward", *signature))
+    if training:
+        _remember(res.packed.count, False)
+        zero = torch.zeros((), dtype=torch.float32, device=dev)
+        backward(torch.zeros_like(res.out), x2d, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, zero, layer=layer)
 
 
 def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, record=None):
@@ -275,8 +317,8 @@ class _DownRows:
 
     The sparse kernels read columns of ``Wd`` as rows. The copy (``weights.transposed``, a tiled
     transpose) is made again after every change of the weight: each optimizer step, and on every
-    call under CUDA-graph capture or for inference-mode tensors (no version counter), where nothing
-    can notice a change. One copy per weight is kept (the reference implementation keeps the same),
+    call under CUDA-graph capture, for inference-mode tensors (no version counter), where nothing
+    can notice a change, and with ``keep=False`` (layers compiled for CUDA graphs). One copy per weight is kept (the reference implementation keeps the same),
     keyed by the tensor itself, its shape and its in-place version counter, and freed with the
     weight.
     """
@@ -284,13 +326,13 @@ class _DownRows:
     _cache: "dict[int, tuple]" = {}
 
     @classmethod
-    def get(cls, wd: torch.Tensor) -> torch.Tensor:
+    def get(cls, wd: torch.Tensor, *, keep: bool = True) -> torch.Tensor:
         from twell_compile.kernels.weights import transposed
 
         if wd.t().is_contiguous():
             return wd
         state = _state_key(wd)
-        if state is None or _capturing():
+        if state is None or not keep or _capturing():
             return transposed(wd).t()
         key = id(wd)
         hit = cls._cache.get(key)
@@ -302,17 +344,18 @@ class _DownRows:
 
 
 def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
-                    record=None) -> reference.ForwardResult:
+                    record=None, *, keep: bool = True) -> reference.ForwardResult:
     """The sparse path. ``record`` (telemetry's ``call_record``) receives the active entries and
     the rows computed densely. ``dense_rows`` of the result is computed only with ``want_l1``
-    (the L1 value needs it); it is None otherwise."""
+    (the L1 value needs it); it is None otherwise. ``keep=False``: cache nothing per weight
+    (``_DownRows``, ``_WeightFacts``): layers compiled for CUDA graphs."""
     from twell_compile.kernels.gate_pack import gate_pack
     from twell_compile.kernels.sparse_ffn import sparse_ffn
 
     gated = wg is not None
     packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
-    guard = _guard_rows(x2d, wg, wu, wd, bg, bu, bd, packed.count, record)
-    wd_rows = _DownRows.get(wd)
+    guard = _guard_rows(x2d, wg, wu, wd, bg, bu, bd, packed.count, record, keep=keep)
+    wd_rows = _DownRows.get(wd, keep=keep)
     if training:  # the backward needs the up values at the stored pairs
         out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, dense_rows=guard, wg=wg, bg=bg, return_up=True)
     else:
@@ -326,8 +369,9 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
     return reference.ForwardResult(out, packed, up_val, dense_rows, l1)
 
 
-def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l1_scale):
-    """Gradients of ``loss + l1_scale · L1``, on the path the forward took."""
+def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l1_scale, *, layer: Optional[int] = None):
+    """Gradients of ``loss + l1_scale · L1``, on the path the forward took (``layer``: the
+    forward's, when known; a layer compiled for CUDA graphs caches nothing per weight)."""
     key = packed.count.data_ptr()
     if _DENSE_FORWARDS.get(key, False) or x2d.dtype == torch.float64:
         # The popped activations go straight in: no reference here outlives their last use there.
@@ -335,8 +379,10 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
                                None if _capturing() else _DENSE_SAVED.pop(key, None))
     from twell_compile.kernels.sparse_ffn_bwd import sparse_ffn_backward
 
-    dense_rows = _backward_guard_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed)
-    grads = sparse_ffn_backward(dout2d, x2d, wg, wu, _DownRows.get(wd), bg, bu, bd, packed, up_val, dense_rows, l1_scale)
+    keep = layer not in _CUDA_GRAPH_LAYERS
+    dense_rows = _backward_guard_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, keep=keep)
+    grads = sparse_ffn_backward(dout2d, x2d, wg, wu, _DownRows.get(wd, keep=keep), bg, bu, bd, packed, up_val,
+                                dense_rows, l1_scale)
     if not _capturing():
         _WARM.add(("backward", *_signature(x2d, wg, wu, bg, bu, bd, True)))
     return grads
@@ -392,18 +438,20 @@ class _WeightFacts:
 
     The key holds each tensor's ``_state_key`` (storage pointer and in-place version counter), so an
     optimizer step invalidates it. Under CUDA-graph capture nothing is cached: the facts
-    are recomputed inside the graph, so replays see the weights of their own step.
+    are recomputed inside the graph, so replays see the weights of their own step. Nor for
+    ``keep=False`` (layers compiled for CUDA graphs, whose warm-up runs in the graphs' memory pool,
+    where a kept tensor is an error).
     """
 
     _cache: "OrderedDict[tuple, tuple]" = OrderedDict()
 
     @classmethod
-    def get(cls, wg, wu, wd, bg, bu, bd):
+    def get(cls, wg, wu, wd, bg, bu, bd, *, keep: bool = True):
         from twell_compile.kernels.weights import guard_bounds
 
         tensors = (wg, wu, wd, bg, bu, bd)
         states = [None if t is None else _state_key(t) for t in tensors]
-        uncachable = any(t is not None and k is None for t, k in zip(tensors, states))
+        uncachable = not keep or any(t is not None and k is None for t, k in zip(tensors, states))
         key = None if uncachable else tuple(states)
         capturing = key is None or _capturing()
         if not capturing and key in cls._cache:
@@ -416,7 +464,7 @@ class _WeightFacts:
         return facts
 
 
-def _guard_rows(x, wg, wu, wd, bg, bu, bd, count=None, record=None) -> torch.Tensor:
+def _guard_rows(x, wg, wu, wd, bg, bu, bd, count=None, record=None, *, keep: bool = True) -> torch.Tensor:
     """bool [M]: rows the forward computes densely besides overflowed tiles, in one kernel that
     reads x once (``dense_rows.flag_rows``).
 
@@ -427,15 +475,15 @@ def _guard_rows(x, wg, wu, wd, bg, bu, bd, count=None, record=None) -> torch.Ten
     """
     from twell_compile.kernels.dense_rows import flag_rows
 
-    forward_bound, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd)
+    forward_bound, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
     return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record)
 
 
-def _backward_guard_rows(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked) -> torch.Tensor:
+def _backward_guard_rows(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, keep: bool = True) -> torch.Tensor:
     """bool [M]: backward dense rows: the forward's (recomputed), overflowed rows, and rows of
     ``dout`` that are non-finite or, gated, whose ``dh = dout·Wd`` may overflow. One kernel."""
     from twell_compile.kernels.dense_rows import flag_rows
 
-    forward_bound, backward_bound = _WeightFacts.get(wg, wu, wd, bg, bu, bd)
+    forward_bound, backward_bound = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
     return flag_rows(x, forward_bound, dout, backward_bound, packed.count, slots=DEFAULT_LAYOUT.slots,
                      flag_overflow=True)

@@ -59,7 +59,8 @@ def ffn_bwd(
     )
     up2d = up_val.reshape(-1, *up_val.shape[-2:]) if wg is not None else up_val  # plain: empty
     grads = impl.backward(
-        impl.flatten_tokens(dout), impl.flatten_tokens(x), wg, wu, wd, bg, bu, bd, packed, up2d, l1_coeff / n_layers
+        impl.flatten_tokens(dout), impl.flatten_tokens(x), wg, wu, wd, bg, bu, bd, packed, up2d, l1_coeff / n_layers,
+        layer=layer,
     )
 
     def out(t):

@@ -8,6 +8,7 @@ each call's counters (``telemetry``) without synchronising the host.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -56,12 +57,13 @@ def forward(x2d: Tensor, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool) 
 
 
 @_no_autocast
-def backward(dout2d: Tensor, x2d: Tensor, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val: Tensor, l1_scale: Tensor) -> reference.Grads:
+def backward(dout2d: Tensor, x2d: Tensor, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val: Tensor, l1_scale: Tensor,
+             *, layer: Optional[int] = None) -> reference.Grads:
     """Gradients of ``loss + l1_scale · L1`` (DESIGN.md section 4) on ``[M, D]`` tokens."""
     if x2d.is_cuda:
         from . import cuda_impl
 
-        return cuda_impl.backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale)
+        return cuda_impl.backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale, layer=layer)
     return reference.ffn_backward_ref(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale)
 
 

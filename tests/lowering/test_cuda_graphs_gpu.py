@@ -6,7 +6,8 @@
 * A layer whose kernels never ran outside a capture records the dense path (tuning cannot run
   inside a capture), and its replay is the dense FFN.
 * ``torch.compile(..., backend="twell", mode="reduce-overhead")`` captures and replays the ops,
-  in inference and in training, with the results of the eager model.
+  in inference and in training, with the results of the eager model; a layer that is sparse when
+  its graph is warmed up records the sparse path.
 """
 
 from __future__ import annotations
@@ -133,5 +134,60 @@ def test_reduce_overhead_training_gives_the_eager_gradients():
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             scale = float(q.grad.abs().max())
             assert_close(p.grad, q.grad, rtol=3e-2, atol=3e-2 * scale, name=f"step {step} grad {name}")
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips, "graphs were skipped"
+    reset_state()
+
+
+def _sparse_ffn_model(d: int, h: int):
+    """A bias-free GatedFFN whose gate is active on ~0.4% of (token, neuron) pairs for ``x``, of a
+    shape no other test runs (so its kernels are cold when the graph is warmed up)."""
+    x, wg, wu, wd = make_problem(TOKENS, d, h, 0.004, skewed=False)
+    model = GatedFFN(d, h, bias=False).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for lin, w in ((model.gate, wg), (model.up, wu), (model.down, wd)):
+            lin.weight.copy_(w)
+    return model, x
+
+
+def _all_layers_sparse() -> bool:
+    snap = telemetry.snapshot()
+    return bool(snap) and all(v["sparse"] == 1.0 and v["tokens"] == TOKENS for v in snap.values())
+
+
+def test_reduce_overhead_records_the_sparse_path_of_a_sparse_layer():
+    model, x = _sparse_ffn_model(1024, 2816)
+    with torch.no_grad():
+        want = model(x)
+    # First with cold kernels; then compiled again: new layers (density not yet measured) of a
+    # problem whose kernels are tuned.
+    for attempt in ("cold kernels", "new layers, tuned kernels"):
+        reset_state()
+        compiled = torch.compile(model, backend="twell", mode="reduce-overhead")
+        skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+        with torch.no_grad():
+            for _ in range(4):  # warm-up (which measures the layer, tunes its kernels), recording, replays
+                got = compiled(x).clone()
+                assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()), name=attempt)
+        assert _all_layers_sparse(), (attempt, telemetry.snapshot())
+        assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips, "graphs were skipped"
+    reset_state()
+
+
+def test_reduce_overhead_training_records_the_sparse_path_of_a_sparse_layer():
+    reset_state()
+    model, x = _sparse_ffn_model(1024, 2816)
+    ref, _ = _sparse_ffn_model(1024, 2816)
+    compiled = torch.compile(model, backend="twell", mode="reduce-overhead")
+    weight = torch.randn(TOKENS, 1024, device="cuda")
+    loss_fn = lambda out: (out.float() * weight).sum()  # noqa: E731
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    eager_loss(ref, lambda: ref(x), loss_fn, 2e-5).backward()
+    for step in range(4):  # warm-up (which tunes the sparse kernels), recording, replays
+        model.zero_grad(set_to_none=True)
+        loss_fn(compiled(x)).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            scale = float(q.grad.abs().max())
+            assert_close(p.grad, q.grad, rtol=3e-2, atol=3e-2 * scale, name=f"step {step} grad {name}")
+    assert _all_layers_sparse(), telemetry.snapshot()
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips, "graphs were skipped"
     reset_state()

@@ -147,3 +147,55 @@ def test_token_thresholds_in_and_out_of_capture(monkeypatch):
         assert [enough(m, False) for m in (low - 1, low, high - 1, high)] == [False, False, False, True]
         assert [enough(m, True) for m in (low - 1, low, high)] == [False, True, True]
     assert cuda_impl._signature(x, None, wu, None, bu, bd, False) != cuda_impl._signature(x, wg, wu, bg, bu, bd, False)
+
+
+def test_a_cuda_graph_warm_up_tunes_the_sparse_kernels_only_for_a_sparse_layer(monkeypatch):
+    """Layers compiled for CUDA graphs are warmed up by one eager call, then recorded: on that call
+    the sparse kernels run once (forward, and backward in training) when the layer measures sparse,
+    so the recording can take the sparse path; nothing per weight is kept (the graphs' memory pool
+    forbids it)."""
+    layer = 4_242
+    monkeypatch.setattr(cuda_impl, "_WARM", set())
+    monkeypatch.setattr(cuda_impl, "_CUDA_GRAPH_LAYERS", {layer})
+    monkeypatch.setattr(cuda_impl._DownRows, "_cache", {})
+    monkeypatch.setattr(cuda_impl._WeightFacts, "_cache", cuda_impl.OrderedDict())
+    x, wg, wu, wd, bg, bu, bd = _ffn(dtype=torch.float32)
+    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)  # no pinned buffer on a CPU machine
+    policy.event, policy.measured, policy.dense_row_fraction = None, True, 0.0
+    monkeypatch.setattr(cuda_impl, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0])
+    for training in (False, True):
+        sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, training)
+        prepare = lambda sparse: cuda_impl._prepare_capture(  # noqa: E731
+            policy, x, wg, wu, wd, bg, bu, bd, sparse, training, sig, layer)
+        policy.density = 0.5  # measured dense: the recording takes the dense path, nothing to tune
+        prepare(False)
+        assert not cuda_impl._warm(sig)
+        policy.density = 0.001
+        prepare(True)  # this call ran sparse: its own kernels were tuned
+        assert not cuda_impl._warm(sig)
+        monkeypatch.setattr(cuda_impl, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0] + 1)
+        prepare(False)  # too few tokens to be recorded sparse
+        assert not cuda_impl._warm(sig)
+        monkeypatch.setattr(cuda_impl, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0])
+        prepare(False)
+        assert cuda_impl._warm(sig)
+    assert cuda_impl._DownRows._cache == {} and len(cuda_impl._WeightFacts._cache) == 0
+
+    # A new layer of a tuned problem: its first counters are read on its warm-up call, so that the
+    # capture that follows (which cannot read them) knows the layer is sparse.
+    class CopiedEvent:
+        synchronized = False
+
+        def synchronize(self):
+            self.synchronized = True
+
+        def query(self):
+            return self.synchronized
+
+    fresh = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
+    fresh.event, fresh.measured, fresh._hidden = CopiedEvent(), False, wu.shape[0]
+    fresh.density = fresh.dense_row_fraction = 1.0
+    tokens, active = x.shape[0], 0.001 * x.shape[0] * wu.shape[0]
+    fresh.host = torch.tensor([1.0, tokens, active, 0.0, 0.0, float("nan")], dtype=torch.float64)
+    cuda_impl._prepare_capture(fresh, x, wg, wu, wd, bg, bu, bd, False, True, sig, layer)
+    assert fresh.measured and fresh.density < 0.01 and fresh.choose(training=True)
