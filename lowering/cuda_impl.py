@@ -318,9 +318,9 @@ class _DownRows:
     The sparse kernels read columns of ``Wd`` as rows. The copy (``weights.transposed``, a tiled
     transpose) is made again after every change of the weight: each optimizer step, and on every
     call under CUDA-graph capture, for inference-mode tensors (no version counter), where nothing
-    can notice a change, and with ``keep=False`` (layers compiled for CUDA graphs). One copy per weight is kept (the reference implementation keeps the same),
-    keyed by the tensor itself, its shape and its in-place version counter, and freed with the
-    weight.
+    can notice a change, and with ``keep=False`` (layers compiled for CUDA graphs). One copy per
+    weight is kept (the reference implementation keeps the same), keyed by the tensor itself, its
+    shape and its in-place version counter, and freed with the weight.
     """
 
     _cache: "dict[int, tuple]" = {}

@@ -113,6 +113,13 @@ def _tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: i
     return tokens * iters / (time.perf_counter() - start)
 
 
+def _check_compile_mode(compile_mode: str) -> None:
+    from .options import COMPILE_MODES
+
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
+
+
 def run_point(base, density: float, *, batch: int, seq: int, modes=("inference", "training"), warmup: int = 3,
               iters: int = 10, baseline: str = "inductor", l1_coeff: float = 2e-5, lr: float = 0.0, device: str = "cuda",
               compile_mode: str = "default", log: Callable[[str], None] = print) -> list[E2ERow]:
@@ -122,12 +129,9 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
     import twell_compile
 
     from .backend import uses_cuda_graphs
-    from .options import COMPILE_MODES
 
-    if compile_mode not in COMPILE_MODES:
-        raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
-    graphs = uses_cuda_graphs(compile_mode)
-    mark_step = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
+    _check_compile_mode(compile_mode)
+    mark_step = torch.compiler.cudagraph_mark_step_begin if uses_cuda_graphs(compile_mode) else (lambda: None)
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = base.config.vocab_size
@@ -141,12 +145,13 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
         for backend in (baseline, "twell"):
             torch._dynamo.reset()
             twell_compile.reset()
-            # torch.compile takes mode or options, not both: twell takes its mode as an option
-            options = {"l1_coeff": l1_coeff} if mode == "training" else {}
-            if compile_mode != "default":
-                options["mode"] = compile_mode
-            kwargs = ({"options": options} if options else {}) if backend == "twell" else (
-                {"mode": compile_mode} if compile_mode != "default" else {})
+            if backend == "twell":  # torch.compile takes mode or options, not both: the mode as an option
+                options = {"l1_coeff": l1_coeff} if mode == "training" else {}
+                if compile_mode != "default":
+                    options["mode"] = compile_mode
+                kwargs = {"options": options} if options else {}
+            else:
+                kwargs = {"mode": compile_mode} if compile_mode != "default" else {}
             if mode == "inference":
                 model = base.eval()
                 compiled = torch.compile(model.model, backend=backend, **kwargs)
@@ -196,6 +201,7 @@ def run(densities, *, layers: int = 38, batch: int = 8, seq: int = 2048, modes=(
     """
     from transformers import LlamaForCausalLM
 
+    _check_compile_mode(compile_mode)  # before minutes of model building
     rows = []
     for density in densities:
         torch.manual_seed(0)
