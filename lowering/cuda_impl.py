@@ -56,6 +56,11 @@ SPARSE_MIN_TOKENS = 12288
 SPARSE_MIN_TOKENS_CAPTURED = 8192
 # Above this fraction of rows computed densely (overflow, guard) the dense path is faster.
 SPARSE_MAX_DENSE_ROWS = 0.02
+# The same for a layer recorded in a CUDA graph, which replays its path for good. On the H200 the
+# 2B Llama under mode="reduce-overhead" at 0.5% density ran 1.12x Inductor's graphs with 1.1 such
+# rows per layer in 16384 tokens (0.007%), but 0.75x with 46.6 in 8192 (0.57%), where every layer
+# recorded the sparse path (docs/benchmarks.md, session 14); 0.1% lies between, not swept.
+SPARSE_MAX_DENSE_ROWS_CAPTURED = 0.001
 # The training L1 value for stats() costs a pass over the TwELL buffers: measure it every N calls.
 L1_EVERY = 8
 
@@ -84,7 +89,7 @@ class _LayerPolicy:
         self.measured = False  # whether counters have arrived yet
         self.calls = 0
 
-    def choose(self, training: bool) -> bool:
+    def choose(self, training: bool, *, for_capture: bool = False) -> bool:
         if self.event is not None and not _capturing() and self.event.query():
             v = dict(zip(telemetry.FIELDS, self.host.tolist()))  # completed copy: no sync
             tokens = max(1.0, v["tokens"])
@@ -93,7 +98,8 @@ class _LayerPolicy:
             self.event = None
             self.measured = True
         limit = SPARSE_MAX_DENSITY["training" if training else "inference"]
-        return self.density < limit and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS
+        rows_limit = SPARSE_MAX_DENSE_ROWS_CAPTURED if for_capture else SPARSE_MAX_DENSE_ROWS
+        return self.density < limit and self.dense_row_fraction < rows_limit
 
     def settle(self) -> None:
         """Wait for the pending counters copy: a host sync, for CUDA-graph warm-ups only."""
@@ -211,7 +217,7 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     capturing = _capturing()
     signature = _signature(x2d, wg, wu, bg, bu, bd, training)
     if FORCE_PATH is None:
-        sparse = policy.choose(training) and _enough_tokens(x2d.shape[0], signature, capturing)
+        sparse = policy.choose(training, for_capture=capturing) and _enough_tokens(x2d.shape[0], signature, capturing)
     else:
         sparse = FORCE_PATH == "sparse"
     sparse = sparse and x2d.dtype != torch.float64
@@ -245,7 +251,8 @@ def _prepare_capture(policy, x2d, wg, wu, wd, bg, bu, bd, sparse: bool, training
 
     * the layer's first counters are waited for (a host sync, on its first call only), so that
       the capture knows its density;
-    * if the policy then picks sparse for a problem whose sparse kernels never ran, they run once
+    * if the policy then picks sparse for a capture (``SPARSE_MAX_DENSE_ROWS_CAPTURED``) for a
+      problem whose sparse kernels never ran, they run once
       on the same inputs (forward and, in training, backward with a zero ``dout``), results and
       counters discarded; the call's own result is the one already computed.
     """
@@ -253,7 +260,7 @@ def _prepare_capture(policy, x2d, wg, wu, wd, bg, bu, bd, sparse: bool, training
 
     if not policy.measured:
         policy.settle()
-    picks_sparse = policy.choose(training)  # reads the counters now, while not capturing
+    picks_sparse = policy.choose(training, for_capture=True)  # reads the counters now, while not capturing
     if sparse or not picks_sparse or x2d.shape[0] < SPARSE_MIN_TOKENS_CAPTURED or _warm(signature):
         return
     dev = x2d.device

@@ -199,3 +199,18 @@ def test_a_cuda_graph_warm_up_tunes_the_sparse_kernels_only_for_a_sparse_layer(m
     fresh.host = torch.tensor([1.0, tokens, active, 0.0, 0.0, float("nan")], dtype=torch.float64)
     cuda_impl._prepare_capture(fresh, x, wg, wu, wd, bg, bu, bd, False, True, sig, layer)
     assert fresh.measured and fresh.density < 0.01 and fresh.choose(training=True)
+
+
+def test_a_capture_records_the_sparse_path_only_with_few_dense_rows():
+    """A graph replays its path for good, so a capture takes the sparse path under a stricter limit
+    on the rows computed densely than an eager call, which the next call can revise."""
+    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
+    policy.event, policy.measured, policy.density = None, True, 0.001
+    eager_limit, capture_limit = cuda_impl.SPARSE_MAX_DENSE_ROWS, cuda_impl.SPARSE_MAX_DENSE_ROWS_CAPTURED
+    assert capture_limit < eager_limit
+    for fraction, eager, captured in ((0.0, True, True), (capture_limit / 2, True, True),
+                                      ((capture_limit + eager_limit) / 2, True, False), (eager_limit, False, False)):
+        policy.dense_row_fraction = fraction
+        for training in (False, True):
+            assert policy.choose(training) == eager, fraction
+            assert policy.choose(training, for_capture=True) == captured, fraction
