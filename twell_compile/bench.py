@@ -61,31 +61,64 @@ class Row:
     peak_mem_dense_mb: float = float("nan")
     peak_mem_twell_mb: float = float("nan")
     heavy_rows: int = 0  # tokens active on ~all neurons (rows the sparse path computes densely)
+    overflow_rows: int = 0  # tokens active on every neuron of `overflow_tiles` TwELL tiles
+    overflow_tiles: int = 0
 
     @property
     def label(self) -> str:
-        return self.variant if not self.heavy_rows else f"{self.variant}+{self.heavy_rows}hr"
+        label = self.variant
+        if self.heavy_rows:
+            label += f"+{self.heavy_rows}hr"
+        if self.overflow_rows:
+            label += f"+{self.overflow_rows}ov{self.overflow_tiles}t"
+        return label
 
 
-def make_problem(m: int, d: int, h: int, density: float, *, skewed: bool, heavy_rows: int = 0, dtype=torch.bfloat16,
-                 device="cuda", seed: int = 0):
+# The TwELL tile width (kernels.format.TILE_N), for problems whose rows overflow chosen tiles.
+TILE_N = 128
+
+
+def overflow_row_ids(m: int, n: int) -> torch.Tensor:
+    """The ``n`` tokens ``make_problem`` makes overflow: one in the middle of each ``m / n`` stretch
+    (so late tokens too, and none of the heavy rows' stretch ends)."""
+    return (torch.arange(n) * 2 + 1) * m // (2 * max(n, 1))
+
+
+def make_problem(m: int, d: int, h: int, density: float, *, skewed: bool, heavy_rows: int = 0, overflow_rows: int = 0,
+                 overflow_tiles: int = 2, dtype=torch.bfloat16, device="cuda", seed: int = 0):
     """x, wg, wu, wd whose gate is active with probability ``density`` (per neuron if skewed).
 
     ``heavy_rows`` evenly spaced tokens get the constant feature -1 instead of 1, which flips the
     gate bias column: they are active with probability ``1 - density`` per neuron.
+
+    ``overflow_rows`` tokens (``overflow_row_ids``) are active on every neuron of
+    ``overflow_tiles`` evenly spaced TwELL tiles of ``TILE_N`` columns, which then overflow (the
+    sparse path recomputes them densely), and sparse elsewhere: a second constant feature, 1 in
+    those rows and 0 in the others, with gate weights that switch those tiles' neurons on.
     """
     if not 0 <= heavy_rows <= m:
         raise ValueError(f"heavy_rows must be in 0..M={m}, got {heavy_rows}")
+    n_tiles = -(-h // TILE_N)
+    if not 0 <= overflow_rows <= m:
+        raise ValueError(f"overflow_rows must be in 0..M={m}, got {overflow_rows}")
+    if overflow_rows and not 1 <= overflow_tiles <= n_tiles:
+        raise ValueError(f"overflow_tiles must be in 1..{n_tiles} (the tiles of H={h}), got {overflow_tiles}")
+    if overflow_rows and d < 3:
+        raise ValueError(f"overflow_rows needs D >= 3 (two constant features), got D={d}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(m, d, generator=gen)
     x[:, 0] = 1.0
     if heavy_rows:
         x[torch.linspace(0, m - 1, heavy_rows).round().long(), 0] = -1.0
+    if overflow_rows:
+        x[:, 1] = 0.0
+        x[overflow_row_ids(m, overflow_rows), 1] = 1.0
     scale = 1.0 / math.sqrt(d)
     wg = torch.randn(h, d, generator=gen) * scale
     wu = torch.randn(h, d, generator=gen) * scale
     wd = torch.randn(d, h, generator=gen) * (1.0 / math.sqrt(h))
-    sigma = math.sqrt(d - 1) * scale  # std of the gate pre-activation over the random features
+    random_features = d - (2 if overflow_rows else 1)
+    sigma = math.sqrt(random_features) * scale  # std of the gate pre-activation over the random features
     if skewed:
         # Per-neuron densities, log-normal around the target: a few hot neurons, many cold ones.
         p = (torch.randn(h, generator=gen) * 1.0).exp()
@@ -94,6 +127,12 @@ def make_problem(m: int, d: int, h: int, density: float, *, skewed: bool, heavy_
         p = torch.full((h,), density)
     normal = torch.distributions.Normal(0.0, 1.0)
     wg[:, 0] = -normal.icdf(1 - p) * sigma
+    if overflow_rows:
+        tiles = torch.linspace(0, n_tiles - 1, overflow_tiles).round().long()
+        cols = (tiles[:, None] * TILE_N + torch.arange(TILE_N)).flatten()
+        cols = cols[cols < h]
+        wg[:, 1] = 0.0
+        wg[cols, 1] = -wg[cols, 0] + 8 * sigma  # cancels the bias, 8 sigma over: active
     return [t.to(device=device, dtype=dtype) for t in (x, wg, wu, wd)]
 
 
@@ -162,8 +201,9 @@ def _forced(path: Optional[str]):
 
 
 def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sparse_train_density, l1_coeff=2e-5,
-                heavy_rows: int = 0) -> Row:
-    x, wg, wu, wd = make_problem(m, d, h, density, skewed=skewed, heavy_rows=heavy_rows)
+                heavy_rows: int = 0, overflow_rows: int = 0, overflow_tiles: int = 2) -> Row:
+    x, wg, wu, wd = make_problem(m, d, h, density, skewed=skewed, heavy_rows=heavy_rows, overflow_rows=overflow_rows,
+                                 overflow_tiles=overflow_tiles)
     with torch.no_grad():
         gate = F.linear(x, wg)
         measured = (gate > 0).float().mean().item()
@@ -204,18 +244,18 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
     return Row(
         "training" if train else "inference", m, d, h, "skewed" if skewed else "uniform", density, measured, measured * h,
         t_eager, t_comp, t_twell, t_sparse, t_eager / t_twell, t_comp / t_twell, t_eager / t_sparse, err_twell, err_dense, mem_dense, mem_twell,
-        heavy_rows,
+        heavy_rows, overflow_rows, overflow_tiles if overflow_rows else 0,
     )
 
 
 def print_table(rows: list[Row], file=sys.stdout) -> None:
-    header = f"{'mode':<9} {'M':>6} {'variant':<12} {'density':>7} {'act/tok':>7} {'eager ms':>8} {'compiled':>8} {'twell op':>8} {'x eager':>7} {'x comp':>7} {'sparse ms':>9} {'x eager':>7} {'err sparse':>10} {'err dense':>9} {'mem d/s MB':>13}"
+    header = f"{'mode':<9} {'M':>6} {'variant':<16} {'density':>7} {'act/tok':>7} {'eager ms':>8} {'compiled':>8} {'twell op':>8} {'x eager':>7} {'x comp':>7} {'sparse ms':>9} {'x eager':>7} {'err sparse':>10} {'err dense':>9} {'mem d/s MB':>13}"
     print(header, file=file)
     print("-" * len(header), file=file)
     for r in rows:
         mem = "" if math.isnan(r.peak_mem_dense_mb) else f"{r.peak_mem_dense_mb:.0f}/{r.peak_mem_twell_mb:.0f}"
         print(
-            f"{r.mode:<9} {r.m:>6} {r.label:<12} {r.measured_density:>7.2%} {r.active_per_token:>7.1f} {r.dense_eager_ms:>8.3f} {r.dense_compiled_ms:>8.3f} "
+            f"{r.mode:<9} {r.m:>6} {r.label:<16} {r.measured_density:>7.2%} {r.active_per_token:>7.1f} {r.dense_eager_ms:>8.3f} {r.dense_compiled_ms:>8.3f} "
             f"{r.twell_ms:>8.3f} {r.speedup_vs_eager:>6.2f}x {r.speedup_vs_compiled:>6.2f}x {r.twell_sparse_ms:>9.3f} {r.sparse_speedup_vs_eager:>6.2f}x "
             f"{r.rel_err_twell:>10.2e} {r.rel_err_dense:>9.2e} {mem:>13}",
             file=file,
@@ -274,6 +314,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--skewed", action="store_true", help="also run per-neuron skewed densities")
     parser.add_argument("--heavy-rows", type=int, nargs="+", default=[0], metavar="N",
                         help="tokens per problem active on ~all neurons, which the sparse path computes densely (default 0; several values: one run each)")
+    parser.add_argument("--overflow-rows", type=int, nargs="+", default=[0], metavar="N",
+                        help="tokens per problem active on every neuron of --overflow-tiles TwELL tiles only, which overflow (default 0; several values: one run each)")
+    parser.add_argument("--overflow-tiles", type=int, default=2, metavar="K",
+                        help="tiles of 128 columns each --overflow-rows token overflows (default 2)")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per point (median reported)")
     parser.add_argument("--max-sparse-train-density", type=float, default=0.021, help="time the forced sparse training path only up to this density (it is slow when dense)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv and the PNG plot")
@@ -291,9 +335,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     for flag in ("layers", "batch", "seq", "iters", "reps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    bad_heavy = [n for n in args.heavy_rows for m in args.m if not 0 <= n <= m]
-    if bad_heavy:
-        parser.error(f"--heavy-rows must be in 0..M for every --m (smallest M: {min(args.m)}), got {bad_heavy[0]}")
+    for flag, values in (("heavy-rows", args.heavy_rows), ("overflow-rows", args.overflow_rows)):
+        bad_rows = [n for n in values for m in args.m if not 0 <= n <= m]
+        if bad_rows:
+            parser.error(f"--{flag} must be in 0..M for every --m (smallest M: {min(args.m)}), got {bad_rows[0]}")
+    n_tiles = -(-args.h // TILE_N)
+    if any(args.overflow_rows) and not 1 <= args.overflow_tiles <= n_tiles:
+        parser.error(f"--overflow-tiles must be in 1..{n_tiles} (the tiles of H={args.h}), got {args.overflow_tiles}")
     if args.densities is None:
         args.densities = list(E2E_DENSITIES if args.e2e else DEFAULT_DENSITIES)
     bad = [p for p in args.densities if not 0.0 < p < 1.0]
@@ -310,8 +358,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     compiled_cache: dict = {}
     rows: list[Row] = []
     variants = [False, True] if args.skewed else [False]
-    points = [(mode, m, sk, hr, p) for mode in args.modes for m in args.m for sk in variants for hr in args.heavy_rows
-              for p in args.densities]
+    points = [(mode, m, sk, hr, ov, p) for mode in args.modes for m in args.m for sk in variants for hr in args.heavy_rows
+              for ov in args.overflow_rows for p in args.densities]
     try:
         from tqdm import tqdm
 
@@ -319,9 +367,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:
         points_iter = points
     t0 = time.time()
-    for mode, m, skewed, heavy, density in points_iter:
+    for mode, m, skewed, heavy, overflow, density in points_iter:
         rows.append(bench_point(m, args.d, args.h, density, skewed=skewed, train=(mode == "training"), compiled_cache=compiled_cache,
-                                reps=args.reps, max_sparse_train_density=args.max_sparse_train_density, heavy_rows=heavy))
+                                reps=args.reps, max_sparse_train_density=args.max_sparse_train_density, heavy_rows=heavy,
+                                overflow_rows=overflow, overflow_tiles=args.overflow_tiles))
         torch.cuda.empty_cache()
     print(f"\ntwell bench on {torch.cuda.get_device_name()} (torch {torch.__version__}), gated FFN bf16, D={args.d}, H={args.h}; {time.time() - t0:.0f} s")
     print_table(rows)

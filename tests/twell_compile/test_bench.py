@@ -46,6 +46,37 @@ def test_heavy_rows_are_active_on_almost_every_neuron():
     assert (per_tile > DEFAULT_LAYOUT.slots).all()
 
 
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_overflow_rows_overflow_exactly_the_chosen_tiles(tiles):
+    """``overflow_rows`` tokens are active on every neuron of ``overflow_tiles`` tiles, so those tiles
+    overflow their slots, and sparse elsewhere; the other tokens keep the target density."""
+    from twell_compile.kernels.format import DEFAULT_LAYOUT
+
+    assert bench.TILE_N == DEFAULT_LAYOUT.tile_n
+    density, n = 0.01, 7
+    x, wg, _, _ = bench.make_problem(M, D, H, density, skewed=False, overflow_rows=n, overflow_tiles=tiles,
+                                     dtype=torch.float32, device="cpu")
+    rows = bench.overflow_row_ids(M, n)
+    assert rows.unique().numel() == n and int(rows.max()) > M * 0.9  # late tokens too
+    active = _active(x, wg).float()
+    per_tile = active.reshape(M, -1, DEFAULT_LAYOUT.tile_n).sum(-1)
+    over = per_tile > DEFAULT_LAYOUT.slots
+    assert over[rows].sum(-1).tolist() == [tiles] * n
+    assert (per_tile[rows][over[rows]] == DEFAULT_LAYOUT.tile_n).all()  # every neuron of those tiles
+    others = torch.ones(M, dtype=torch.bool)
+    others[rows] = False
+    assert not over[others].any()
+    assert active[others].mean().item() == pytest.approx(density, rel=0.15)
+    assert active[rows][~over[rows].repeat_interleave(DEFAULT_LAYOUT.tile_n, 1)].mean().item() < 5 * density
+
+
+def test_overflow_rows_are_checked():
+    with pytest.raises(ValueError, match="overflow_rows"):
+        bench.make_problem(8, D, H, 0.01, skewed=False, overflow_rows=9, device="cpu")
+    with pytest.raises(ValueError, match="overflow_tiles"):
+        bench.make_problem(8, D, H, 0.01, skewed=False, overflow_rows=1, overflow_tiles=5, device="cpu")  # H=512: 4 tiles
+
+
 def test_heavy_rows_outside_the_batch_are_refused():
     with pytest.raises(ValueError, match="heavy_rows"):
         bench.make_problem(8, D, H, 0.01, skewed=False, heavy_rows=9, device="cpu")
@@ -60,23 +91,27 @@ def _row(**kw):
     return bench.Row(**values)
 
 
-def test_table_and_csv_name_the_heavy_rows(tmp_path):
-    rows = [_row(), _row(heavy_rows=14)]
+def test_table_and_csv_name_the_heavy_and_overflow_rows(tmp_path):
+    rows = [_row(), _row(heavy_rows=14), _row(overflow_rows=46, overflow_tiles=2)]
     out = io.StringIO()
     bench.print_table(rows, file=out)
     lines = out.getvalue().splitlines()
     assert "uniform+14hr" in lines[3] and "uniform+14hr" not in lines[2]
+    assert "uniform+46ov2t" in lines[4]
     path = bench.write_csv(rows, tmp_path / "sub" / "bench.csv")
     read = list(csv.DictReader(path.open()))
-    assert [r["heavy_rows"] for r in read] == ["0", "14"]
+    assert [r["heavy_rows"] for r in read] == ["0", "14", "0"]
+    assert [(r["overflow_rows"], r["overflow_tiles"]) for r in read] == [("0", "0"), ("0", "0"), ("46", "2")]
     assert read[1]["variant"] == "uniform"
 
 
-def test_cli_refuses_more_heavy_rows_than_tokens(capsys):
+@pytest.mark.parametrize("argv,flag", [(["--heavy-rows", "0", "65"], "--heavy-rows"), (["--overflow-rows", "65"], "--overflow-rows"),
+                                       (["--overflow-rows", "4", "--overflow-tiles", "45"], "--overflow-tiles")])
+def test_cli_refuses_rows_or_tiles_the_problem_does_not_have(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
-        bench.main(["--m", "64", "--heavy-rows", "0", "65"])
+        bench.main(["--m", "64", *argv])
     assert e.value.code == 2
-    assert "--heavy-rows" in capsys.readouterr().err
+    assert flag in capsys.readouterr().err
 
 
 def test_timed_training_steps_invalidate_the_ops_weight_caches():
