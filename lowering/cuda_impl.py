@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -264,13 +265,18 @@ def _prepare_capture(policy, x2d, wg, wu, wd, bg, bu, bd, sparse: bool, training
     if sparse or not picks_sparse or x2d.shape[0] < SPARSE_MIN_TOKENS_CAPTURED or _warm(signature):
         return
     dev = x2d.device
-    scratch = CallRecord(torch.zeros(5, dtype=torch.float64, device=dev), torch.zeros(3, dtype=torch.int64, device=dev), 1.0)
-    res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, False, scratch, keep=False)
-    _WARM.add(("forward", *signature))
-    if training:
-        _remember(res.packed.count, False)
-        zero = torch.zeros((), dtype=torch.float32, device=dev)
-        backward(torch.zeros_like(res.out), x2d, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, zero, layer=layer)
+    try:
+        scratch = CallRecord(torch.zeros(5, dtype=torch.float64, device=dev), torch.zeros(3, dtype=torch.int64, device=dev), 1.0)
+        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, False, scratch, keep=False)
+        _WARM.add(("forward", *signature))
+        if training:
+            _remember(res.packed.count, False)
+            zero = torch.zeros((), dtype=torch.float32, device=dev)
+            backward(torch.zeros_like(res.out), x2d, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, zero, layer=layer)
+    except torch.cuda.OutOfMemoryError:
+        # The call's own result is already computed: losing the tuning only costs speed.
+        warnings.warn(f"twell: layer {layer}: not enough GPU memory to tune its sparse kernels before CUDA-graph "
+                      "capture; it records the dense path", RuntimeWarning, stacklevel=2)
 
 
 def _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, record=None):

@@ -5,6 +5,7 @@ its weight facts must be recomputed when a weight changes in place. Also the dis
 thresholds in and out of CUDA-graph capture (pure host logic).
 """
 
+import pytest
 import torch
 
 from twell_compile.kernels import reference as R
@@ -199,6 +200,26 @@ def test_a_cuda_graph_warm_up_tunes_the_sparse_kernels_only_for_a_sparse_layer(m
     fresh.host = torch.tensor([1.0, tokens, active, 0.0, 0.0, float("nan")], dtype=torch.float64)
     cuda_impl._prepare_capture(fresh, x, wg, wu, wd, bg, bu, bd, False, True, sig, layer)
     assert fresh.measured and fresh.density < 0.01 and fresh.choose(training=True)
+
+
+def test_a_warm_up_without_memory_for_the_sparse_kernels_only_warns(monkeypatch):
+    """The warm-up's extra sparse run needs memory the call itself did not: running out of it
+    leaves the layer cold (its capture records dense) and the call's result stands."""
+    layer = 4_243
+    monkeypatch.setattr(cuda_impl, "_WARM", set())
+    monkeypatch.setattr(cuda_impl, "SPARSE_MIN_TOKENS_CAPTURED", 1)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(cuda_impl, "_sparse_forward", out_of_memory)
+    x, wg, wu, wd, bg, bu, bd = _ffn(dtype=torch.float32)
+    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
+    policy.event, policy.measured, policy.density, policy.dense_row_fraction = None, True, 0.001, 0.0
+    sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, True)
+    with pytest.warns(RuntimeWarning, match=f"layer {layer}.*dense path"):
+        cuda_impl._prepare_capture(policy, x, wg, wu, wd, bg, bu, bd, False, True, sig, layer)
+    assert not cuda_impl._warm(sig)
 
 
 def test_a_capture_records_the_sparse_path_only_with_few_dense_rows():
