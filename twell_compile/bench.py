@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .kernels import DEFAULT_LAYOUT, TILE_N
 from .options import COMPILE_MODES
 
 DEFAULT_DENSITIES = (0.003, 0.005, 0.01, 0.02, 0.05, 0.2, 0.5)
@@ -74,10 +75,6 @@ class Row:
         return label
 
 
-# The TwELL tile width (kernels.format.TILE_N), for problems whose rows overflow chosen tiles.
-TILE_N = 128
-
-
 def overflow_row_ids(m: int, n: int) -> torch.Tensor:
     """The ``n`` tokens ``make_problem`` makes overflow: one in the middle of each ``m / n`` stretch
     (so late tokens too, and none of the heavy rows' stretch ends)."""
@@ -98,7 +95,7 @@ def make_problem(m: int, d: int, h: int, density: float, *, skewed: bool, heavy_
     """
     if not 0 <= heavy_rows <= m:
         raise ValueError(f"heavy_rows must be in 0..M={m}, got {heavy_rows}")
-    n_tiles = -(-h // TILE_N)
+    n_tiles = DEFAULT_LAYOUT.n_tiles(h)
     if not 0 <= overflow_rows <= m:
         raise ValueError(f"overflow_rows must be in 0..M={m}, got {overflow_rows}")
     if overflow_rows and not 1 <= overflow_tiles <= n_tiles:
@@ -339,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         bad_rows = [n for n in values for m in args.m if not 0 <= n <= m]
         if bad_rows:
             parser.error(f"--{flag} must be in 0..M for every --m (smallest M: {min(args.m)}), got {bad_rows[0]}")
-    n_tiles = -(-args.h // TILE_N)
+    n_tiles = DEFAULT_LAYOUT.n_tiles(args.h)
     if any(args.overflow_rows) and not 1 <= args.overflow_tiles <= n_tiles:
         parser.error(f"--overflow-tiles must be in 1..{n_tiles} (the tiles of H={args.h}), got {args.overflow_tiles}")
     if args.densities is None:
