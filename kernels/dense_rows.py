@@ -1,7 +1,7 @@
 """Dense rows of the sparse kernels: which rows, their list, and their fp32 coefficients times
 weights over H.
 
-A few rows of a sparse batch are computed densely: rows with many overflowed tiles, rows of the
+A few rows of a sparse batch are computed densely: rows with an overflowed tile, rows of the
 finiteness guard. ``flag_rows`` finds the guard rows in one launch (row norms against bounds from
 the weights, ``weights.guard_bounds``) and can add a call's counts to a telemetry buffer on the way;
 ``dense_list`` lists the flagged rows on the device. The forward (``sparse_ffn``) and the backward

@@ -9,14 +9,15 @@ and ``out_t = Σ_j h · Wd[:, j] + bd``, in fp32, cast once to the output dtype.
 (``where(v <= 0, 0, v)``), and for 16-bit inputs up, gate and h overflow to ±Inf where dense
 PyTorch's rounding to the input dtype would (``reference.overflow_like``).
 
-Rows that the pair loop cannot finish exactly take one of two dense routes; results are the same
-up to rounding whichever is taken:
-
-* a row with 1..``max_tile_recompute`` overflowed tiles (``count > slots``) and no dense flag
-  recomputes just those tiles, over their ``tile_n`` columns, from ``x`` in the same program;
-* a row flagged in ``dense_rows`` (the finiteness guard of ``reference.dense_rows_ref``, or any
-  row the caller wants dense), or with more overflowed tiles, is *whole-dense*: a dense FFN over
-  all H, with gate and up recomputed from ``x``, by the kernels below.
+Rows that the pair loop cannot finish exactly are *whole-dense*: a row with an overflowed tile
+(``count > slots``), or flagged in ``dense_rows`` (the finiteness guard of
+``reference.dense_rows_ref``, or any row the caller wants dense), gets a dense FFN over all H, with
+gate and up recomputed from ``x``, by the kernels below, as in ``reference.ffn_forward_ref``.
+Until session 15 a row with 1–4 overflowed tiles recomputed just those tiles inside its own
+program, one column at a time: on the H200 (bf16, D=2048, H=5632, M=16384, 0.5% density) 8 rows
+with 4 such tiles took the op from 1.26 to 1.70 ms (the program's serial 512 columns outlast the
+whole kernel), against 1.25 ms through the whole-dense route; 46 rows with 2 tiles 1.48 against
+1.29 ms. With no overflowed row both measured the same.
 
 Kernels:
 
@@ -88,12 +89,6 @@ from .weights import transposed
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# An unflagged row with at most this many overflowed tiles recomputes just those tiles (3·128
-# weight rows each, ~1.5 MB of L2 reads at D=2048); a row with more goes to the blocked dense
-# kernel, whose cost per row (gate/up recomputed D/BD times, on tensor cores) is about that of six
-# such tiles when its row block is full of dense rows. An estimate from bytes and FLOPs, not a sweep.
-TILE_RECOMPUTE_MAX = 4
-
 # Scratch path tiles (BH, BK, BD, warps): the backward's, measured there on the H200 (16-row tiles
 # waste little on an isolated row). The interpreter needs tl.dot dims >= 16, and small ones are fast.
 _SCRATCH_TILES = {2: (64, 64, 128, 4), 4: (64, 64, 64, 4)}
@@ -113,23 +108,22 @@ _DENSE_TILES_INTERPRET = (16, 32, 32, 64, 4, 1)
 
 def _sparse_configs():
     if INTERPRET:
-        return [triton.Config({"CH": 8, "TOKENS": 4}, num_warps=4, num_stages=1)]  # few interpreted ops
-    # (columns per step of an overflowed tile's recompute, warps, tokens per program). The pair
-    # walk takes one pair at a time whatever CH is; a CH above 1 only adds registers. On the H200
-    # (bf16, D=2048, H=5632, M=16384, uniform neurons, session 9): 2 warps were fastest with up
-    # values at 0.5% (0.62 ms), 4 warps without them (0.58 ms) and with an up bias, 1 and 2 warps at
-    # 2%; more tokens per program were slower.
-    shapes = [(1, 2, 1), (1, 4, 1), (1, 1, 1)]
-    return [triton.Config({"CH": c, "TOKENS": t}, num_warps=w, num_stages=1) for c, w, t in shapes]
+        return [triton.Config({"TOKENS": 4}, num_warps=4, num_stages=1)]  # few interpreted ops
+    # (warps, tokens per program). On the H200 (bf16, D=2048, H=5632, M=16384, uniform neurons,
+    # session 9): 2 warps were fastest with up values at 0.5% (0.62 ms), 4 warps without them
+    # (0.58 ms) and with an up bias, 1 and 2 warps at 2%; more tokens per program were slower.
+    shapes = [(2, 1), (4, 1), (1, 1)]
+    return [triton.Config({"TOKENS": t}, num_warps=w, num_stages=1) for w, t in shapes]
 
 
 def _prune_sparse(configs, nargs, **kwargs):
-    """Keep configs whose ``[CH, BLOCK_D]`` weight tile fits in ≤ 64 fp32 registers per thread."""
+    """Keep configs whose ``BLOCK_D`` weight row fits in ≤ 64 fp32 registers per thread; for a D
+    that no config fits, one config of 16 warps."""
     block_d = kwargs["BLOCK_D"]
-    keep = [c for c in configs if c.kwargs["CH"] * block_d <= 64 * 32 * c.num_warps]
+    keep = [c for c in configs if block_d <= 64 * 32 * c.num_warps]
     if keep:
         return keep
-    return [triton.Config({"CH": max(1, 64 * 32 * 16 // block_d), "TOKENS": 1}, num_warps=16, num_stages=1)]
+    return [triton.Config({"TOKENS": 1}, num_warps=16, num_stages=1)]
 
 
 @jit_helper
@@ -177,26 +171,25 @@ def load_pair(idx_ptr, val_ptr, slot0, tau, s, N_TILES, SLOTS: tl.constexpr, EVI
 @triton.jit
 def _sparse_ffn_kernel(
     # pointers
-    x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr,
+    x_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr,
     idx_ptr, val_ptr, count_ptr, dense_ptr, out_ptr, up_ptr, whole_ptr,
     # dimensions
-    M, D, H, N_TILES, TILE_MAX,
+    M, D, H, N_TILES,
     # row strides (elements; every last dimension is contiguous)
-    stride_xm, stride_wg, stride_wu, stride_wdt, stride_om,
+    stride_xm, stride_wu, stride_wdt, stride_om,
     # meta-parameters
-    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    STORE_UP: tl.constexpr, SLOTS: tl.constexpr, TILE_N: tl.constexpr,
-    NT_P2: tl.constexpr, BLOCK_D: tl.constexpr, OVF: tl.constexpr, CH: tl.constexpr, TOKENS: tl.constexpr,
+    GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
+    STORE_UP: tl.constexpr, SLOTS: tl.constexpr,
+    NT_P2: tl.constexpr, BLOCK_D: tl.constexpr, OVF: tl.constexpr, TOKENS: tl.constexpr,
     EVEN_D: tl.constexpr,
 ):
     """``out[t] = Σ_pairs h · Wdᵀ[j] + bd`` for every token ``t`` that is not a whole-dense row.
 
     x ``[M, D]``; wg, wu ``[H, D]``; wdt ``[H, D]`` (= Wdᵀ); biases ``[H]``/``[D]``; TwELL
     ``idx``/``val`` ``[M, N_TILES, SLOTS]`` and ``count [M, N_TILES]``; dense bool ``[M]``;
-    out ``[M, D]``. A row is whole-dense when ``dense[t]`` or more than TILE_MAX of its tiles
-    overflow (``count > SLOTS``); ``whole [M]`` (uint8) receives that flag, and the dense-row
-    kernels write those rows.
-    In the other rows an overflowed tile is computed densely over its TILE_N columns.
+    out ``[M, D]``. A row is whole-dense when ``dense[t]`` or one of its tiles overflows
+    (``count > SLOTS``); ``whole [M]`` (uint8) receives that flag, and the dense-row kernels write
+    those rows.
     With STORE_UP, ``up [M, N_TILES, SLOTS]`` fp32 (zeroed by the caller) receives the up value of
     each stored pair of a row with no overflowed tile and no dense flag.
     """
@@ -205,19 +198,16 @@ def _sparse_ffn_kernel(
     d_ok = column_mask(offs_d, D, EVEN_D)
     tiles = tl.arange(0, NT_P2)
     t_ok = tiles < N_TILES
-    offs_c = tl.arange(0, CH)
 
     for i in range(TOKENS):
         t = pid * TOKENS + i
         if t < M:
             t64 = t.to(tl.int64)
             cnt = tl.load(count_ptr + t64 * N_TILES + tiles, mask=t_ok, other=0)
-            over = cnt > SLOTS
-            n_over = tl.sum(over.to(tl.int32), axis=0)
-            sparse_row = (tl.load(dense_ptr + t64) == 0) & (n_over <= TILE_MAX)
+            n_over = tl.sum((cnt > SLOTS).to(tl.int32), axis=0)
+            sparse_row = (tl.load(dense_ptr + t64) == 0) & (n_over == 0)
             tl.store(whole_ptr + t64, (sparse_row == 0).to(tl.uint8))
             slot0 = t64 * N_TILES * SLOTS  # first slot of this token's TwELL row
-            keep_up = sparse_row & (n_over == 0)  # the reference computes overflow rows densely
 
             if sparse_row:
                 x_row = tl.load(x_ptr + t64 * stride_xm + offs_d, mask=d_ok, other=0.0,
@@ -245,7 +235,7 @@ def _sparse_ffn_kernel(
                         if OVF > 0:  # dense rounds up and h to the input dtype: its overflow points
                             up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
                         if STORE_UP:
-                            tl.store(up_ptr + slot, up, mask=keep_up)
+                            tl.store(up_ptr + slot, up)
                         hv = act * up
                         if OVF > 0:
                             hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
@@ -253,38 +243,6 @@ def _sparse_ffn_kernel(
                         hv = act
                     acc += hv * wd.to(tl.float32)
                     ok, slot, jp, gp = next_ok, next_slot, next_jp, next_gp
-
-                # Overflowed tiles (at most TILE_MAX): every column of the tile, recomputed from x.
-                if n_over > 0:
-                    for tau in range(0, N_TILES):
-                        c = tl.load(count_ptr + t64 * N_TILES + tau)
-                        if c > SLOTS:
-                            for c0 in range(0, TILE_N, CH):
-                                jj = tau * TILE_N + c0 + offs_c
-                                j_ok = jj < H
-                                j = jj.to(tl.int64)
-                                w_mask = j_ok[:, None] & d_ok[None, :]
-                                wu = tl.load(wu_ptr + j[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
-                                up = tl.sum(wu.to(tl.float32) * x_row[None, :], axis=1)
-                                if HAS_BU:
-                                    up += tl.load(bu_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
-                                if OVF > 0:
-                                    up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
-                                if GATED:
-                                    wg = tl.load(wg_ptr + j[:, None] * stride_wg + offs_d[None, :], mask=w_mask, other=0.0)
-                                    g = tl.sum(wg.to(tl.float32) * x_row[None, :], axis=1)
-                                    if HAS_BG:
-                                        g += tl.load(bg_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
-                                    if OVF > 0:
-                                        g = tl.where(tl.abs(g) >= OVF, tl.where(g > 0, float("inf"), float("-inf")), g)
-                                    hv = tl.where(g <= 0.0, 0.0, g) * up
-                                    if OVF > 0:
-                                        hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
-                                else:
-                                    hv = tl.where(up <= 0.0, 0.0, up)
-                                hv = tl.where(j_ok, hv, 0.0)
-                                wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + offs_d[None, :], mask=w_mask, other=0.0)
-                                acc += tl.sum(hv[:, None] * wd.to(tl.float32), axis=0)
 
                 if HAS_BD:
                     acc += tl.load(bd_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
@@ -415,8 +373,8 @@ def guard_rows(x, wg, wu, wd, bg, bu, bd) -> torch.Tensor:
     """bool [M]: the finiteness guard of ``reference.dense_rows_ref`` without its overflow rows.
 
     Rows with a non-finite x, rows whose gated up product may overflow, and every row when a
-    weight or bias is non-finite. Device ops only, no host sync. Overflowed tiles of the other
-    rows are exact anyway (``sparse_ffn`` recomputes them densely, per tile).
+    weight or bias is non-finite. Device ops only, no host sync. Rows with an overflowed tile are
+    exact anyway (``sparse_ffn`` finds them from the counts and computes them densely).
     """
     rows = ~torch.isfinite(x).all(-1)
     if wg is not None and x.shape[0] > 0:
@@ -438,7 +396,6 @@ def sparse_ffn(
     *,
     layout: TwellLayout = DEFAULT_LAYOUT,
     return_up: bool = False,
-    max_tile_recompute: int = TILE_RECOMPUTE_MAX,
     dense_scratch_rows: Optional[int] = None,
 ):
     """The FFN output from its packed gate (gated) or packed up pre-activation (plain).
@@ -464,9 +421,6 @@ def sparse_ffn(
         return_up: also return ``up_val``, fp32 ``[M, n_tiles, slots]``: the up value of each
             stored pair of the rows that have no overflowed tile and no dense flag, 0 in every
             other slot (``ForwardResult.up_val``); an empty ``[0]`` tensor for a plain FFN.
-        max_tile_recompute: an unflagged row with at most this many overflowed tiles recomputes
-            just those tiles densely (``3·tile_n`` weight rows each); a row with more goes to the
-            blocked dense kernel. Any value gives the same result up to rounding.
         dense_scratch_rows: whole-dense rows computed through the fp32 ``h`` scratch (default: a
             32 MiB budget); rows past it go to the blocked dense kernel (exact, slower when they
             are few). Tests use small values.
@@ -490,8 +444,6 @@ def sparse_ffn(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be one of {[str(t) for t in _DTYPES]}, got {out_dtype}")
-    if not isinstance(max_tile_recompute, int) or max_tile_recompute < 0:
-        raise ValueError(f"max_tile_recompute must be an int >= 0, got {max_tile_recompute!r}")
     if dense_scratch_rows is not None and (not isinstance(dense_scratch_rows, int) or dense_scratch_rows < 0):
         raise ValueError(f"dense_scratch_rows must be an int >= 0, got {dense_scratch_rows!r}")
     if not INTERPRET and dev.type != "cuda":
@@ -518,8 +470,8 @@ def sparse_ffn(
     idx, val, count = packed.idx.contiguous(), packed.val.contiguous(), packed.count.contiguous()
     dense_rows = dense_rows.contiguous()
     dummy = val  # stands in for absent biases; never read
-    weights = (x, wg, bg if bg is not None else dummy, wu, bu if bu is not None else dummy, wdt,
-               bd if bd is not None else dummy)
+    bg_, bu_, bd_ = (dummy if b is None else b for b in (bg, bu, bd))
+    weights = (x, wg, bg_, wu, bu_, wdt, bd_)
     strides = (x.stride(0), wg.stride(0), wu.stride(0), wdt.stride(0), out.stride(0))
     flags = dict(GATED=gated, HAS_BG=bg is not None, HAS_BU=bu is not None, HAS_BD=bd is not None)
     nt_p2 = max(2, next_power_of_2(n_tiles))
@@ -529,10 +481,10 @@ def sparse_ffn(
     block_d = max(16, next_power_of_2(d))
     whole = torch.empty(m, dtype=torch.bool, device=dev)
     launch(_sparse_ffn_kernel, lambda meta: (cdiv(m, meta["TOKENS"]),),
-        *weights, idx, val, count, dense_rows, out, up_val if store_up else dummy, whole.view(torch.uint8),
-        m, d, h, n_tiles, max_tile_recompute, *strides,
-        **flags, STORE_UP=store_up, SLOTS=slots,
-        TILE_N=layout.tile_n, NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf,
+        x, wu, bu_, wdt, bd_, idx, val, count, dense_rows, out, up_val if store_up else dummy,
+        whole.view(torch.uint8), m, d, h, n_tiles, x.stride(0), wu.stride(0), wdt.stride(0), out.stride(0),
+        GATED=gated, HAS_BU=bu is not None, HAS_BD=bd is not None, STORE_UP=store_up, SLOTS=slots,
+        NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf,
     )
     if d > 0:
         _launch_whole_dense(whole, *weights, out, strides, flags, ovf, dense_scratch_rows)

@@ -478,7 +478,7 @@ class _WeightFacts:
 
 
 def _guard_rows(x, wg, wu, wd, bg, bu, bd, count=None, record=None, *, keep: bool = True) -> torch.Tensor:
-    """bool [M]: rows the forward computes densely besides overflowed tiles, in one kernel that
+    """bool [M]: rows the forward computes densely besides those with an overflowed tile, in one kernel that
     reads x once (``dense_rows.flag_rows``).
 
     A non-finite row has a non-finite norm, and for gated FFNs ``‖x_t‖·max‖Wu_j‖ + max|bu|``

@@ -137,8 +137,8 @@ def variants(arch: str, full: bool):
         # Forward consumer and its dense rows.
         for store_up in ([True, False] if gated else [False]):
             for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D)):
-                consts = dict(GATED=gated, **biases, HAS_BD=True, STORE_UP=store_up, SLOTS=SLOTS, TILE_N=TILE_N,
-                              NT_P2=NT_P2, BLOCK_D=D, OVF=ovf, EVEN_D=sixteen)
+                consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, SLOTS=SLOTS, NT_P2=NT_P2,
+                              BLOCK_D=D, OVF=ovf, EVEN_D=sixteen)
                 yield (f"sparse_ffn {tag} store_up={store_up} {_name(cfg)}",
                        lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
                            SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))

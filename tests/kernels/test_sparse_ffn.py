@@ -4,8 +4,8 @@ Oracles:
 
 * ``ffn_forward_ref(...).out`` and ``.up_val`` on the same inputs and the same packed buffer, up to
   fp32 summation order (fp32) or one rounding flip of the output (fp16); NaN/Inf patterns exactly;
-* the same call with other routings (``dense_rows=None``: overflowed tiles recomputed per tile or
-  per row, any ``max_tile_recompute``) pinned to the reference's choice of dense rows;
+* the same call with other routings (``dense_rows=None``, the h scratch or the blocked dense
+  kernel for whole-dense rows) pinned to the reference's choice of dense rows;
 * for packed buffers no FFN produces (NaN/Inf values in sparse rows), a float64 re-derivation of
   the reference's sparse formula;
 * fp16 and (GPU) bf16: ``‖out − ref₆₄‖/‖ref₆₄‖`` no worse than the dense PyTorch path's.
@@ -68,10 +68,9 @@ def assert_out_close(got, ref, dtype, label=""):
     assert_close_verbose(got, ref, rtol=RTOL[dtype], atol=ATOL[dtype] * max(scale, 1e-30), name=label)
 
 
-def check_against_reference(ffn: FFN, layout=DEFAULT_LAYOUT, *, routes=((None, 4, None),), label=""):
+def check_against_reference(ffn: FFN, layout=DEFAULT_LAYOUT, *, routes=((None, None),), label=""):
     """``sparse_ffn`` with the reference's dense rows (and its up values), then with each routing
-    in ``routes`` (``(dense_rows or None, max_tile_recompute, dense_scratch_rows)``): same ``out``
-    every time."""
+    in ``routes`` (``(dense_rows or None, dense_scratch_rows)``): same ``out`` every time."""
     res = R.ffn_forward_ref(*ffn.args(), layout=layout)
     out, up = _run(ffn, res.packed, res.dense_rows, layout, return_up=True)
     assert_out_close(out, res.out, ffn.dtype, label=f"{label} out")
@@ -82,10 +81,9 @@ def check_against_reference(ffn: FFN, layout=DEFAULT_LAYOUT, *, routes=((None, 4
                              name=f"{label} up_val")
     else:
         assert up.shape == (0,)
-    for dense_rows, tile_max, scratch_rows in routes:
-        got, up2 = _run(ffn, res.packed, dense_rows, layout, max_tile_recompute=tile_max,
-                        dense_scratch_rows=scratch_rows, return_up=True)
-        route = f"dense_rows={dense_rows is not None}, tile_max={tile_max}, scratch_rows={scratch_rows}"
+    for dense_rows, scratch_rows in routes:
+        got, up2 = _run(ffn, res.packed, dense_rows, layout, dense_scratch_rows=scratch_rows, return_up=True)
+        route = f"dense_rows={dense_rows is not None}, scratch_rows={scratch_rows}"
         assert_out_close(got, res.out, ffn.dtype, label=f"{label} out ({route})")
         if ffn.gated:  # rows flagged beyond the reference's keep no up values
             keep = torch.ones_like(res.dense_rows) if dense_rows is None else ~(dense_rows & ~res.dense_rows)
@@ -102,11 +100,11 @@ def check_against_reference(ffn: FFN, layout=DEFAULT_LAYOUT, *, routes=((None, 4
 
 @settings(max_examples=14, deadline=None)
 @given(cfg=ffn_configs(dtypes=(torch.float32, torch.float16), max_m=40, max_d=48, max_h=300, min_m=1),
-       tile_max=st.sampled_from([0, 1, 4]), scratch_rows=st.sampled_from([None, 0, 16]))
-def test_matches_reference(cfg, tile_max, scratch_rows):
+       scratch_rows=st.sampled_from([None, 0, 16]))
+def test_matches_reference(cfg, scratch_rows):
     """Whole-dense rows through the h scratch, the blocked kernel (0 scratch rows), or both."""
     ffn = _on(cfg.build())
-    check_against_reference(ffn, cfg.layout, routes=((None, tile_max, scratch_rows),), label=str(cfg))
+    check_against_reference(ffn, cfg.layout, routes=((None, scratch_rows),), label=str(cfg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,11 +130,11 @@ def _capacity_pattern(m: int = 12, h: int = 300) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gated", [True, False])
 def test_capacity_edges_and_every_routing(gated, dtype):
-    """16 actives fit a tile, 17 overflow it; an overflowed tile is exact whether the row is
-    flagged dense, recomputed tile by tile, or sent whole to the blocked dense kernel."""
+    """16 actives fit a tile, 17 overflow it; a row with an overflowed tile is exact whether it is
+    flagged dense by the caller or found by the kernel, through the h scratch or the blocked dense
+    kernel."""
     ffn = _on(make_ffn_with_pattern(_capacity_pattern(), gated=gated, dtype=dtype, seed=1))
-    res = check_against_reference(ffn, routes=((None, 0, None), (None, 1, None), (None, 2, None), (None, 99, None),
-                                                (None, 0, 0)))
+    res = check_against_reference(ffn, routes=((None, None), (None, 0), (None, 4)))
     assert res.packed.count[2].tolist() == [16, 17, 16]
     assert res.dense_rows[[1, 2, 3, 4, 6]].all() and not res.dense_rows[[0, 5]].any()
 
@@ -145,7 +143,7 @@ def test_capacity_edges_and_every_routing(gated, dtype):
 @pytest.mark.parametrize("gated", [True, False])
 def test_density_extremes(density, gated):
     ffn = _on(make_ffn(17, 20, 260, density=density, gated=gated, seed=2))
-    check_against_reference(ffn, routes=((None, 4, None), (None, 0, None), (None, 0, 16)))  # 16 + 1 rows
+    check_against_reference(ffn, routes=((None, None), (None, 0), (None, 16)))  # 16 + 1 rows
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -163,7 +161,7 @@ def test_end_to_end_with_gate_pack(bias):
 
 def test_hot_rows_and_skewed_neurons():
     ffn = _on(make_ffn(33, 24, 300, density=0.03, skew=3.0, hot_rows=(0, 7, 32), seed=4))
-    check_against_reference(ffn, routes=((None, 0, None), (None, 4, None)))
+    check_against_reference(ffn, routes=((None, None), (None, 0)))
 
 
 def test_wd_as_a_transposed_view_and_out_dtype():
@@ -195,7 +193,7 @@ def test_nonfinite_inputs_match_dense_semantics(where, dtype):
         t[3, 5] = value
     else:
         t[7] = value
-    check_against_reference(ffn, routes=((None, 4, None),))
+    check_against_reference(ffn)
 
 
 def test_float16_overflow_of_up_and_h():
@@ -204,7 +202,7 @@ def test_float16_overflow_of_up_and_h():
     ffn = _on(make_ffn(11, 16, 140, density=0.1, seed=7).to(torch.float16))
     ffn.x[2] *= 3000.0
     ffn.x[5] *= 300.0
-    check_against_reference(ffn, routes=((None, 4, None),))
+    check_against_reference(ffn)
 
 
 def _sparse_oracle(ffn: FFN, packed: TwellPacked) -> torch.Tensor:
@@ -234,7 +232,7 @@ def test_special_values_in_packed_sparse_rows(seed, gated, rate):
     packed = TwellPacked(*(t.to(DEV) for t in R.pack_ref(pre)))
     no_dense = torch.zeros(12, dtype=torch.bool, device=DEV)
     rows = ~packed.overflow_rows()
-    got = _run(ffn, packed, no_dense, max_tile_recompute=0)  # overflowing rows: whole-dense
+    got = _run(ffn, packed, no_dense)  # overflowing rows: whole-dense
     expected = _sparse_oracle(ffn, packed)
     scale = max(1.0, expected[rows].nan_to_num(0, 0, 0).abs().max().item())
     assert_close_verbose(got[rows], expected[rows], rtol=1e-5, atol=1e-5 * scale, name="special sparse rows")
@@ -265,7 +263,7 @@ def test_degenerate_shapes(m, d, h):
         out, up = _run(ffn, res.packed, None, return_up=True)
         assert out.shape == (0, d) and up.shape == (0, 1, 16)
         return
-    check_against_reference(ffn, routes=((None, 0, None),))
+    check_against_reference(ffn)
 
 
 def test_empty_hidden_gives_the_bias():
@@ -312,23 +310,21 @@ def test_argument_errors_name_the_argument():
         call(dense_rows=torch.zeros(5, dtype=torch.bool, device=DEV))
     with pytest.raises(TypeError, match="out_dtype"):
         call(out_dtype=torch.int32)
-    with pytest.raises(ValueError, match="max_tile_recompute"):
-        call(max_tile_recompute=-1)
 
 
 def test_autotune_prune_keeps_the_register_budget():
-    """GPU autotuning drops configs whose [CH, BLOCK_D] weight tile needs > 64 registers a thread,
-    and always leaves one (large D)."""
+    """GPU autotuning drops configs whose BLOCK_D weight row needs > 64 registers a thread, and
+    always leaves one (large D)."""
     from twell_compile.kernels import sparse_ffn as K
 
-    configs = [triton.Config({"CH": c, "TOKENS": 1}, num_warps=w) for c, w in ((2, 4), (4, 4), (8, 8), (16, 16))]
+    configs = [triton.Config({"TOKENS": t}, num_warps=w) for t, w in ((1, 1), (1, 2), (2, 4), (1, 8))]
     def shapes(block_d):
-        return [(c.kwargs["CH"], c.num_warps) for c in K._prune_sparse(configs, {}, BLOCK_D=block_d)]
+        return [(c.kwargs["TOKENS"], c.num_warps) for c in K._prune_sparse(configs, {}, BLOCK_D=block_d)]
 
-    assert shapes(2048) == [(2, 4), (4, 4), (8, 8), (16, 16)]
-    assert shapes(4096) == [(2, 4)]
-    assert shapes(8192) == [(4, 16)]  # none fits: one fallback config
-    assert shapes(1 << 16) == [(1, 16)]
+    assert shapes(2048) == [(1, 1), (1, 2), (2, 4), (1, 8)]
+    assert shapes(8192) == [(2, 4), (1, 8)]
+    assert shapes(16384) == [(1, 8)]
+    assert shapes(1 << 16) == [(1, 16)]  # none fits: one fallback config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +363,7 @@ def _gpu_ffn(m, d, h, density, *, gated=True, dtype=torch.bfloat16, skew=0.0, se
 def test_gpu_matches_reference(dtype, gated):
     ffn = _gpu_ffn(1000, 320, 1000, 0.03, gated=gated, dtype=dtype, seed=1)
     every_row = torch.ones(1000, dtype=torch.bool, device="cuda")  # through the scratch, then the blocked kernel
-    check_against_reference(ffn, routes=((None, 0, None), (None, 4, None), (every_row, 4, None), (every_row, 4, 16)))
+    check_against_reference(ffn, routes=((None, None), (every_row, None), (every_row, 16)))
     x, wg, wu, wd, bg, bu, bd = ffn.args()
     packed = gate_pack(x, wg, bg) if gated else gate_pack(x, wu, bu)
     out = sparse_ffn(x, packed, wu, wd, bu, bd, wg=wg, bg=bg)
