@@ -55,12 +55,16 @@ SPARSE_MIN_TOKENS = 12288
 # training at 0.5% density, 1.01x / 1.12x at 0.8%; at 4096 only 1.03x / 1.23x at 0.5% (H200,
 # docs/benchmarks.md, sessions 12 and 13). Used while capturing.
 SPARSE_MIN_TOKENS_CAPTURED = 8192
-# Above this fraction of rows computed densely (overflow, guard) the dense path is faster.
-SPARSE_MAX_DENSE_ROWS = 0.02
+# Above these fractions of rows computed densely (overflow, guard) the dense path is faster. On the
+# H200 at M=16384, 0.5% density (docs/benchmarks.md, session 15), each such row added ~0.7 us to
+# an inference call (1.29 -> 1.47 ms with 256 rows, 1.6%; dense 1.70) and ~11 us to a training
+# step (4.02 -> 4.51 ms with 46 rows, 6.91 with 256; the dense path 5.1-5.2): the backward's weight
+# gradients gather x and dout rows once per neuron for every dense row.
+SPARSE_MAX_DENSE_ROWS = {"inference": 0.02, "training": 0.005}
 # The same for a layer recorded in a CUDA graph, which replays its path for good. On the H200 the
 # 2B Llama under mode="reduce-overhead" at 0.5% density ran 1.12x Inductor's graphs with 1.1 such
-# rows per layer in 16384 tokens (0.007%), but 0.75x with 46.6 in 8192 (0.57%), where every layer
-# recorded the sparse path (docs/benchmarks.md, session 14); 0.1% lies between, not swept.
+# rows per layer in 16384 tokens (0.007%, session 14). With 46.6 in 8192 (0.57%) every layer
+# sparse ran 0.99x, and 1.01x with this limit, which kept 36 of 38 layers dense (session 15).
 SPARSE_MAX_DENSE_ROWS_CAPTURED = 0.001
 # The training L1 value for stats() costs a pass over the TwELL buffers: measure it every N calls.
 L1_EVERY = 8
@@ -98,8 +102,9 @@ class _LayerPolicy:
             self.dense_row_fraction = v["dense_rows"] / tokens
             self.event = None
             self.measured = True
-        limit = SPARSE_MAX_DENSITY["training" if training else "inference"]
-        rows_limit = SPARSE_MAX_DENSE_ROWS_CAPTURED if for_capture else SPARSE_MAX_DENSE_ROWS
+        mode = "training" if training else "inference"
+        rows_limit = SPARSE_MAX_DENSE_ROWS_CAPTURED if for_capture else SPARSE_MAX_DENSE_ROWS[mode]
+        limit = SPARSE_MAX_DENSITY[mode]
         return self.density < limit and self.dense_row_fraction < rows_limit
 
     def settle(self) -> None:

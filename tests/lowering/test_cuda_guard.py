@@ -227,11 +227,22 @@ def test_a_capture_records_the_sparse_path_only_with_few_dense_rows():
     on the rows computed densely than an eager call, which the next call can revise."""
     policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
     policy.event, policy.measured, policy.density = None, True, 0.001
-    eager_limit, capture_limit = cuda_impl.SPARSE_MAX_DENSE_ROWS, cuda_impl.SPARSE_MAX_DENSE_ROWS_CAPTURED
-    assert capture_limit < eager_limit
-    for fraction, eager, captured in ((0.0, True, True), (capture_limit / 2, True, True),
-                                      ((capture_limit + eager_limit) / 2, True, False), (eager_limit, False, False)):
-        policy.dense_row_fraction = fraction
-        for training in (False, True):
-            assert policy.choose(training) == eager, fraction
-            assert policy.choose(training, for_capture=True) == captured, fraction
+    capture_limit = cuda_impl.SPARSE_MAX_DENSE_ROWS_CAPTURED
+    for training in (False, True):
+        eager_limit = cuda_impl.SPARSE_MAX_DENSE_ROWS["training" if training else "inference"]
+        assert capture_limit < eager_limit
+        for fraction, eager, captured in ((0.0, True, True), (capture_limit / 2, True, True),
+                                          ((capture_limit + eager_limit) / 2, True, False), (eager_limit, False, False)):
+            policy.dense_row_fraction = fraction
+            assert policy.choose(training) == eager, (training, fraction)
+            assert policy.choose(training, for_capture=True) == captured, (training, fraction)
+
+
+def test_training_turns_dense_at_fewer_dense_rows_than_inference():
+    """Each dense row costs a training step ~15x what it costs an inference call (the backward's
+    weight gradients gather its x and dout rows once per neuron), so training's limit is lower."""
+    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
+    policy.event, policy.measured, policy.density = None, True, 0.001
+    limits = cuda_impl.SPARSE_MAX_DENSE_ROWS
+    policy.dense_row_fraction = (limits["training"] + limits["inference"]) / 2
+    assert policy.choose(False) and not policy.choose(True)
