@@ -24,6 +24,7 @@ capturable. List positions past ``n_dense`` cost one early return per program.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple, Optional
 
@@ -41,6 +42,22 @@ BR = 16
 # Scratch budget of each launcher's dense rows (fp32 values of the first r_cap list positions);
 # rows past it take that launcher's blocked kernels.
 SCRATCH_BYTES = 32 << 20
+# The scratch also holds at least this fraction of a call's rows, the most that the dispatch
+# (lowering.cuda_impl.SPARSE_MAX_DENSE_ROWS) lets the sparse path compute densely: rows past the
+# scratch are slow, above all in the backward (on the H200, 16 rows past it cost a training step
+# ~3.4 ms, session 15).
+DENSE_ROW_FRACTION_MAX = 0.02
+
+
+def scratch_capacity(m: int, bytes_per_row: int, requested: Optional[int] = None) -> int:
+    """``r_cap``: the dense-row list positions given scratch, a multiple of ``BR`` and at most
+    ``m`` rounded up to one: ``requested`` (tests), else ``SCRATCH_BYTES`` worth and at least
+    ``DENSE_ROW_FRACTION_MAX`` of the rows."""
+    m_pad = cdiv(m, BR) * BR
+    if requested is not None:
+        return min(m_pad, cdiv(requested, BR) * BR)
+    budget = max(BR, SCRATCH_BYTES // bytes_per_row // BR * BR)
+    return min(m_pad, max(budget, cdiv(math.ceil(DENSE_ROW_FRACTION_MAX * m), BR) * BR))
 
 
 def jit_helper(fn):

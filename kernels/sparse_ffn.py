@@ -32,7 +32,7 @@ Kernels:
   with an up bias (its load now travels with the weight rows), and simpler.
 * the whole-dense rows, from their list (``dense_rows.dense_list`` of the flags the sparse kernel
   writes; no host sync). The first ``r_cap`` list positions (288 at D=2048, H=5632: a 32 MiB
-  scratch budget): ``_dense_hidden_kernel`` writes their ``h`` as fp32 ``[16, BH]`` tiles from
+  scratch budget, or 2% of the rows if more; ``dense_rows.scratch_capacity``): ``_dense_hidden_kernel`` writes their ``h`` as fp32 ``[16, BH]`` tiles from
   ``tl.dot`` over D, then ``dense_rows.scratch_product`` multiplies by ``Wdᵀ`` with H split over
   programs. Past ``r_cap``: ``_dense_rows_kernel``, one program per (``BM`` list positions, ``BD``
   output columns), gate and up recomputed for each of the ``D / BD`` column blocks. On the H200 at
@@ -79,8 +79,8 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import (BR, INTERPRET, SCRATCH_BYTES, column_mask, dense_list, dot, dot_split, jit_helper,
-                         rowmajor, scratch_product, split_count)
+from .dense_rows import (BR, INTERPRET, column_mask, dense_list, dot, dot_split, jit_helper, rowmajor,
+                         scratch_capacity, scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
 from .launch import cdiv, launch, next_power_of_2
@@ -505,14 +505,9 @@ def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, 
     split = x.element_size() == 2  # h is already clipped to the input dtype's overflow points
     bh, bk, bd_blk, warps = _SCRATCH_TILES_INTERPRET if INTERPRET else _SCRATCH_TILES[x.element_size()]
     bd_blk = min(bd_blk, max(16, next_power_of_2(d)))
-    m_pad = cdiv(m, BR) * BR
-    if scratch_rows is None:
-        # h [r_cap, H] and the split products [splits, r_cap, D]: 288 rows at D=2048, H=5632.
-        per_row = 4 * (h + split_count(h, bh) * d)
-        r_cap = max(BR, SCRATCH_BYTES // per_row // BR * BR)
-    else:
-        r_cap = cdiv(scratch_rows, BR) * BR
-    r_cap = min(r_cap, m_pad)
+    # h [r_cap, H] and the split products [splits, r_cap, D]: 288 rows at D=2048, H=5632 (336 at
+    # M=16384, 2% of the rows).
+    r_cap = scratch_capacity(m, 4 * (h + split_count(h, bh) * d), scratch_rows)
     x_args = (x, wg, bg, wu, bu)
     x_strides = (strides[0], strides[1], strides[2])
     hflags = dict(GATED=flags["GATED"], HAS_BG=flags["HAS_BG"], HAS_BU=flags["HAS_BU"])

@@ -57,10 +57,11 @@ SPARSE_MIN_TOKENS = 12288
 SPARSE_MIN_TOKENS_CAPTURED = 8192
 # Above these fractions of rows computed densely (overflow, guard) the dense path is faster. On the
 # H200 at M=16384, 0.5% density (docs/benchmarks.md, session 15), each such row added ~0.7 us to
-# an inference call (1.29 -> 1.47 ms with 256 rows, 1.6%; dense 1.70) and ~11 us to a training
-# step (4.02 -> 4.51 ms with 46 rows, 6.91 with 256; the dense path 5.1-5.2): the backward's weight
-# gradients gather x and dout rows once per neuron for every dense row.
-SPARSE_MAX_DENSE_ROWS = {"inference": 0.02, "training": 0.005}
+# an inference call (1.29 -> 1.47 ms with 256 rows, 1.6%; dense 1.70) and ~2.7 us to a training
+# step (3.96 -> 4.66 ms with 256 rows; the dense path 5.0; ~11 us before the backward summed their
+# weight gradients as GEMMs). Neither may exceed kernels.dense_rows.DENSE_ROW_FRACTION_MAX, the
+# rows the kernels' scratch holds (rows past it are slow).
+SPARSE_MAX_DENSE_ROWS = {"inference": 0.02, "training": 0.015}
 # The same for a layer recorded in a CUDA graph, which replays its path for good. On the H200 the
 # 2B Llama under mode="reduce-overhead" at 0.5% density ran 1.12x Inductor's graphs with 1.1 such
 # rows per layer in 16384 tokens (0.007%, session 14). With 46.6 in 8192 (0.57%) every layer
@@ -94,7 +95,8 @@ class _LayerPolicy:
         self.measured = False  # whether counters have arrived yet
         self.calls = 0
 
-    def choose(self, training: bool, *, for_capture: bool = False) -> bool:
+    def refresh(self) -> None:
+        """Take the last counters copy in, if it has completed (no sync)."""
         if self.event is not None and not _capturing() and self.event.query():
             v = dict(zip(telemetry.FIELDS, self.host.tolist()))  # completed copy: no sync
             tokens = max(1.0, v["tokens"])
@@ -102,6 +104,15 @@ class _LayerPolicy:
             self.dense_row_fraction = v["dense_rows"] / tokens
             self.event = None
             self.measured = True
+
+    def expects_dense_rows(self, tokens: int, rows: int) -> bool:
+        """Whether a call of ``tokens`` tokens should expect ``rows`` or more dense rows, from the
+        last measured call (False until one is)."""
+        self.refresh()
+        return self.measured and self.dense_row_fraction * tokens >= rows
+
+    def choose(self, training: bool, *, for_capture: bool = False) -> bool:
+        self.refresh()
         mode = "training" if training else "inference"
         rows_limit = SPARSE_MAX_DENSE_ROWS_CAPTURED if for_capture else SPARSE_MAX_DENSE_ROWS[mode]
         limit = SPARSE_MAX_DENSITY[mode]
@@ -395,12 +406,16 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
         # The popped activations go straight in: no reference here outlives their last use there.
         return _dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale,
                                None if _capturing() else _DENSE_SAVED.pop(key, None))
-    from twell_compile.kernels.sparse_ffn_bwd import sparse_ffn_backward
+    from twell_compile.kernels.sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS, sparse_ffn_backward
 
     keep = layer not in _CUDA_GRAPH_LAYERS
     dense_rows = _backward_guard_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, keep=keep)
+    # The dense rows' weight gradients as GEMMs (an fp32 [planes, H, D] buffer) when the layer's
+    # last measured call had enough of them; the same result either way.
+    policy = None if layer is None else _policies.get((layer, x2d.device.index or 0))
+    gemm = policy is not None and policy.expects_dense_rows(x2d.shape[0], DENSE_WGRAD_GEMM_ROWS)
     grads = sparse_ffn_backward(dout2d, x2d, wg, wu, _DownRows.get(wd, keep=keep), bg, bu, bd, packed, up_val,
-                                dense_rows, l1_scale)
+                                dense_rows, l1_scale, dense_wgrad_gemm=gemm)
     if not _capturing():
         _WARM.add(("backward", *_signature(x2d, wg, wu, bg, bu, bd, True)))
     return grads

@@ -45,7 +45,7 @@ TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torc
 D, SLOTS, TILE_N, NT_P2 = 2048, 16, 128, 64
 
 # Pointer arguments that are not of the FFN's dtype (the rest are).
-F32 = {"val_ptr", "up_ptr", "coef_ptr", "hid_ptr", "part_ptr", "dh_ptr", "scale_ptr"}
+F32 = {"val_ptr", "up_ptr", "coef_ptr", "hid_ptr", "part_ptr", "psum_ptr", "dh_ptr", "scale_ptr"}
 I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr"}
 U8 = {"whole_ptr"}
 # Integer arguments that are multiples of 16 at the benchmark shape (M = 16384, D, H).
@@ -211,11 +211,19 @@ def variants(arch: str, full: bool):
             SB._dense_coef_kernel, target, dtype, flags))
         yield f"dense_dx {tag}", (lambda dtype=dtype, flags=flags, bd=bd: compile_kernel(
             SB._dense_dx_kernel, target, dtype, dict(flags, BD=bd)))
-        for cfg in _configs(SB._wgrad_kernel, all_configs, {}, {"D": D}):
-            yield f"wgrad {tag} {_name(cfg)}", (lambda dtype=dtype, gated=gated, cfg=cfg: compile_kernel(
-                SB._wgrad_kernel, target, dtype,
-                dict(GATED=gated, HAS_BG=gated, HAS_BU=True, CR=DR.BR, BK=64, EVEN_D=sixteen),
-                {"nptr_ptr": "*i64"}, cfg))
+        bj, bd_w, warps_w = SB._DENSE_WGRAD_TILES
+        yield f"dense_wgrad {tag}", (lambda dtype=dtype, gated=gated: compile_kernel(
+            SB._dense_wgrad_kernel, target, dtype,
+            dict(GATED=gated, SPLIT=dtype == torch.bfloat16, NATIVE=native, BR=DR.BR, BJ=bj, BD=bd_w),
+            num_warps=warps_w))
+        for partial in (False, True):
+            for cfg in _configs(SB._wgrad_kernel, all_configs, {}, {"D": D}):
+                yield f"wgrad {tag} partial={partial} {_name(cfg)}", (
+                    lambda dtype=dtype, gated=gated, cfg=cfg, partial=partial: compile_kernel(
+                        SB._wgrad_kernel, target, dtype,
+                        dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, CR=DR.BR, BK=64,
+                             EVEN_D=sixteen),
+                        {"nptr_ptr": "*i64"}, cfg))
 
 
 def main(argv=None) -> int:

@@ -162,3 +162,18 @@ def test_guard_bounds_flag_what_the_reference_guard_flags():
     wd_bad[0, 0] = float("nan")
     fwd, _ = W.guard_bounds(wg.to(DEV), wu.to(DEV), wd_bad.to(DEV), None, bu.to(DEV), None)
     assert DR.flag_rows(x.to(DEV), fwd).all(), "a non-finite weight sends every row dense"
+
+
+def test_scratch_capacity_covers_the_budget_and_the_dispatch_limit():
+    """A multiple of BR rows: SCRATCH_BYTES' worth, or DENSE_ROW_FRACTION_MAX of the rows when
+    that is more, never more than M rounded up; an explicit request wins (tests)."""
+    per_row = 4 * 3 * 5632  # the backward's three fp32 coefficient planes at H = 5632
+    budget = DR.SCRATCH_BYTES // per_row // DR.BR * DR.BR
+    assert budget == 496
+    assert DR.scratch_capacity(16384, per_row) == 496  # 2% of the rows: 336
+    big = DR.scratch_capacity(65536, per_row)  # 2% is 1311
+    assert big == 1312 and big % DR.BR == 0 and big >= DR.DENSE_ROW_FRACTION_MAX * 65536
+    assert DR.scratch_capacity(100, per_row) == 112  # M rounded up to BR
+    assert DR.scratch_capacity(16384, per_row, requested=20) == 32
+    assert DR.scratch_capacity(16384, per_row, requested=0) == 0
+    assert DR.scratch_capacity(16384, 1 << 40) == 336  # a tiny budget: still 2% of the rows

@@ -65,12 +65,12 @@ def _forward(ffn: FFN, layout: TwellLayout = DEFAULT_LAYOUT):
     return res.packed, res.up_val
 
 
-def _grads(ffn, dout, packed, up_val, l1, *, layout=DEFAULT_LAYOUT, dense_rows=None, scratch=None):
+def _grads(ffn, dout, packed, up_val, l1, *, layout=DEFAULT_LAYOUT, dense_rows=None, scratch=None, gemm=False):
     if dense_rows is None:
         dense_rows = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
     l1t = torch.tensor(float(l1), device=dout.device)
     return K.sparse_ffn_backward(dout, *ffn.args(), packed, up_val, dense_rows, l1t, layout=layout,
-                                 dense_scratch_rows=scratch)
+                                 dense_scratch_rows=scratch, dense_wgrad_gemm=gemm)
 
 
 def _reference(ffn, dout, packed, up_val, l1):
@@ -175,15 +175,16 @@ def test_neuron_major_without_gather():
 # ---------------------------------------------------------------------------------------------
 
 
-@given(case=cases())
-def test_matches_reference(case):
+@given(case=cases(), gemm=st.booleans())
+def test_matches_reference(case, gemm):
     """Every gradient, for drawn shapes, densities 0..100 %, gated/plain, biases, L1 on/off,
-    fp32/fp16, skewed neurons, all-active (overflowing → dense) rows and small layouts."""
+    fp32/fp16, skewed neurons, all-active (overflowing → dense) rows and small layouts, with the
+    dense rows' weight gradients gathered per neuron or summed as GEMMs."""
     kwargs, layout, l1, scratch = case
     ffn = _on(make_ffn(**kwargs), DEV)
     dout = _dout(kwargs["m"], kwargs["d"], kwargs["dtype"], kwargs["seed"])
     packed, up_val = _forward(ffn, layout)
-    got = _grads(ffn, dout, packed, up_val, l1, layout=layout, scratch=scratch)
+    got = _grads(ffn, dout, packed, up_val, l1, layout=layout, scratch=scratch, gemm=gemm)
     ref = R.ffn_backward_ref(dout, *ffn.args(), packed, up_val, torch.tensor(l1, device=DEV))
     assert_grads_close(got, ref, kwargs["dtype"])
 
@@ -208,22 +209,26 @@ def test_fast_path_pinned_to_dense_rows(gated):
     sparse = _grads(ffn, dout, packed, up_val, 0.5)
     assert int(R.backward_dense_rows_ref(dout, *ffn.args(), packed).sum()) == 0
     all_dense = torch.ones(18, dtype=torch.bool, device=DEV)
-    for scratch in (None, 0):  # scratch coefficients, and recomputation past the scratch
-        dense = _grads(ffn, dout, packed, up_val, 0.5, dense_rows=all_dense, scratch=scratch)
-        assert_grads_close(dense, sparse, torch.float32, label=f"scratch={scratch} ")
+    # scratch coefficients (weight gradients gathered per neuron, or as GEMMs), and recomputation
+    # past the scratch
+    for scratch, gemm in ((None, False), (None, True), (0, False), (0, True)):
+        dense = _grads(ffn, dout, packed, up_val, 0.5, dense_rows=all_dense, scratch=scratch, gemm=gemm)
+        assert_grads_close(dense, sparse, torch.float32, label=f"scratch={scratch} gemm={gemm} ")
     assert_grads_close(sparse, ref, torch.float32)
 
 
+@pytest.mark.parametrize("gemm", [False, True])
 @pytest.mark.parametrize("scratch", [None, 16, 0])
-def test_many_dense_rows_across_the_scratch_boundary(scratch):
+def test_many_dense_rows_across_the_scratch_boundary(scratch, gemm):
     """20 overflowing rows (all-active) and 4 sparse ones: dense rows split between the scratch
-    (list positions < 16) and recomputation, in every kernel."""
+    (list positions < 16) and recomputation, in every kernel; the scratch rows' weight gradients
+    gathered per neuron or summed as GEMMs."""
     hot = tuple(r for r in range(24) if r % 6 != 5)
     ffn = _on(make_ffn(24, 20, 140, density=0.03, gated=True, bias=True, hot_rows=hot, seed=5), DEV)
     dout = _dout(24, 20, torch.float32, 5)
     packed, up_val = _forward(ffn)
     assert int(R.backward_dense_rows_ref(dout, *ffn.args(), packed).sum()) == 20
-    got = _grads(ffn, dout, packed, up_val, 0.5, scratch=scratch)
+    got = _grads(ffn, dout, packed, up_val, 0.5, scratch=scratch, gemm=gemm)
     assert_grads_close(got, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
 
 
@@ -237,8 +242,9 @@ def test_dense_rows_dx_over_several_h_splits(gated):
     packed, up_val = _forward(ffn)
     dense = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
     assert set(torch.nonzero(dense).flatten().tolist()) == set(hot)
-    got = _grads(ffn, dout, packed, up_val, 0.5, scratch=32)
-    assert_grads_close(got, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
+    for gemm in (False, True):  # also H over several neuron blocks of the GEMM kernel (32 wide)
+        got = _grads(ffn, dout, packed, up_val, 0.5, scratch=32, gemm=gemm)
+        assert_grads_close(got, _reference(ffn, dout, packed, up_val, 0.5), torch.float32, label=f"gemm={gemm} ")
 
 
 @pytest.mark.parametrize("density", [0.0, 1.0])
@@ -250,6 +256,7 @@ def test_density_extremes(density, gated):
     packed, up_val = _forward(ffn)
     got = _grads(ffn, dout, packed, up_val, 0.5)
     assert_grads_close(got, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
+    assert_grads_close(_grads(ffn, dout, packed, up_val, 0.5, gemm=True), got, torch.float32, label="gemm ")
     if density == 0.0:
         for name in ("dx", "dwg", "dwu", "dwd", "dbg", "dbu"):
             t = getattr(got, name)
@@ -309,8 +316,10 @@ def test_nonfinite_inputs_take_the_dense_rows(where):
     packed, up_val = _forward(ffn)
     rows = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
     assert rows.any()
-    got = _grads(ffn, dout, packed, up_val, 0.5, dense_rows=rows)
-    assert_grads_close(got, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
+    ref = _reference(ffn, dout, packed, up_val, 0.5)
+    for gemm in (False, True):
+        got = _grads(ffn, dout, packed, up_val, 0.5, dense_rows=rows, gemm=gemm)
+        assert_grads_close(got, ref, torch.float32, label=f"gemm={gemm} ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,9 +424,9 @@ def test_gpu_matches_reference(dtype, gated):
     # the scratch boundary.
     rows = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
     rows[torch.arange(3, 1000, 50, device="cuda")] = True
-    for scratch in (None, 16, 0):
-        got = _grads(ffn, dout, packed, up_val, 100.0, dense_rows=rows, scratch=scratch)
-        assert_grads_close(got, ref, dtype, label=f"scratch={scratch} ")
+    for scratch, gemm in ((None, False), (None, True), (16, False), (16, True), (0, False)):
+        got = _grads(ffn, dout, packed, up_val, 100.0, dense_rows=rows, scratch=scratch, gemm=gemm)
+        assert_grads_close(got, ref, dtype, label=f"scratch={scratch} gemm={gemm} ")
 
 
 @gpu
@@ -433,18 +442,24 @@ def test_gpu_accuracy_vs_float64_at_benchmark_shape(density, l1_per_token):
     l1 = l1_per_token * m
     packed, up_val = _forward(ffn)
     rows = K.backward_dense_rows(dout, *ffn.args(), packed)
-    got = K.sparse_ffn_backward(dout, *ffn.args(), packed, up_val, rows, torch.tensor(l1, device="cuda"))
     _, ref64 = dense_grads(ffn.double(), dout.double(), l1)
     _, dense16 = dense_grads(ffn, dout, l1)
-    for name, g in zip(GRAD_NAMES, got):
-        ours = rel_error(g, ref64[name])
-        theirs = rel_error(dense16[name], ref64[name], nan_mismatch="inf")
-        assert ours <= 1.05 * theirs + 1e-6, f"{name}: sparse {ours:.3e} vs dense bf16 {theirs:.3e}"
+    heavy = rows.clone()
+    heavy[::32] = True  # 128 rows dense: their weight gradients as GEMMs or gathered per neuron
+    for label, dense_rows, gemm in (("", rows, False), ("128 dense rows, gemm ", heavy, True),
+                                    ("128 dense rows ", heavy, False)):
+        got = K.sparse_ffn_backward(dout, *ffn.args(), packed, up_val, dense_rows, torch.tensor(l1, device="cuda"),
+                                    dense_wgrad_gemm=gemm)
+        for name, g in zip(GRAD_NAMES, got):
+            ours = rel_error(g, ref64[name])
+            theirs = rel_error(dense16[name], ref64[name], nan_mismatch="inf")
+            assert ours <= 1.05 * theirs + 1e-6, f"{label}{name}: sparse {ours:.3e} vs dense bf16 {theirs:.3e}"
 
 
 @gpu
 @needs_cuda
-def test_gpu_no_host_sync_cuda_graph_and_determinism():
+@pytest.mark.parametrize("gemm", [False, True])
+def test_gpu_no_host_sync_cuda_graph_and_determinism(gemm):
     m, d, h = 2048, 512, 1500
     ffn = _gpu_ffn(m, d, h, 0.02, seed=3)
     dout = torch.randn(m, d, device="cuda").to(torch.bfloat16)
@@ -453,11 +468,11 @@ def test_gpu_no_host_sync_cuda_graph_and_determinism():
     rows[[3, 100, 1999]] = True  # a few dense rows
     l1 = torch.tensor(0.3 * m, device="cuda")
     args = (dout, *ffn.args(), packed, up_val, rows, l1)
-    first = K.sparse_ffn_backward(*args)  # warm-up: compiles and autotunes (synchronises)
+    first = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)  # warm-up: compiles and autotunes (synchronises)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        again = K.sparse_ffn_backward(*args)
+        again = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
         K.backward_dense_rows(dout, *ffn.args(), packed)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -470,14 +485,14 @@ def test_gpu_no_host_sync_cuda_graph_and_determinism():
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph):
-            captured = K.sparse_ffn_backward(*args)
+            captured = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
     torch.cuda.current_stream().wait_stream(stream)
     new_dout = torch.randn_like(dout)
     dout.copy_(new_dout)
     l1.fill_(0.1 * m)
     graph.replay()
     torch.cuda.synchronize()
-    eager = K.sparse_ffn_backward(*args)
+    eager = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
     for name, a, b in zip(GRAD_NAMES, captured, eager):
         if a is not None:
             assert torch.equal(a, b), f"{name}: graph replay differs from eager"

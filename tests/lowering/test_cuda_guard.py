@@ -238,11 +238,28 @@ def test_a_capture_records_the_sparse_path_only_with_few_dense_rows():
             assert policy.choose(training, for_capture=True) == captured, (training, fraction)
 
 
-def test_training_turns_dense_at_fewer_dense_rows_than_inference():
-    """Each dense row costs a training step ~15x what it costs an inference call (the backward's
-    weight gradients gather its x and dout rows once per neuron), so training's limit is lower."""
+def test_dense_row_limits_stay_within_the_kernels_scratch():
+    """Each dense row costs a training step ~4x what it costs an inference call, so training's limit
+    is lower; neither lets more rows go dense than the kernels' scratch holds."""
+    from twell_compile.kernels.dense_rows import DENSE_ROW_FRACTION_MAX
+
+    limits = cuda_impl.SPARSE_MAX_DENSE_ROWS
+    assert limits["training"] < limits["inference"] <= DENSE_ROW_FRACTION_MAX
     policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
     policy.event, policy.measured, policy.density = None, True, 0.001
-    limits = cuda_impl.SPARSE_MAX_DENSE_ROWS
     policy.dense_row_fraction = (limits["training"] + limits["inference"]) / 2
     assert policy.choose(False) and not policy.choose(True)
+
+
+def test_the_backward_expects_dense_rows_only_from_a_measured_call():
+    """The dense rows' weight gradients go through GEMMs (an fp32 [planes, H, D] buffer) only when
+    the layer's last measured call had enough dense rows: an unmeasured layer allocates nothing."""
+    from twell_compile.kernels.sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS
+
+    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
+    policy.event, policy.measured, policy.dense_row_fraction = None, False, 1.0
+    assert not policy.expects_dense_rows(16384, DENSE_WGRAD_GEMM_ROWS)
+    policy.measured = True
+    for rows, expected in ((DENSE_WGRAD_GEMM_ROWS, True), (DENSE_WGRAD_GEMM_ROWS - 1, False), (0, False)):
+        policy.dense_row_fraction = rows / 16384
+        assert policy.expects_dense_rows(16384, DENSE_WGRAD_GEMM_ROWS) == expected, rows
