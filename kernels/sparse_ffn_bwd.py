@@ -387,6 +387,19 @@ def _dense_coefs(
     return tl.where(ok, d_gate, 0.0), tl.where(ok, d_up, 0.0), tl.where(ok, hv, 0.0)
 
 
+@jit_helper
+def _store_planes(ptr, PLANE, d_gate, d_up, hv, ok, GATED: tl.constexpr):
+    """Store per-plane values at ``ptr + p·PLANE``: ``dgate``, ``dup``, ``h`` (gated) or ``dup``,
+    ``h`` (plain), the planes of the dense-row scratch and of the GEMM buffer."""
+    if GATED:
+        tl.store(ptr, d_gate, mask=ok)
+        tl.store(ptr + PLANE, d_up, mask=ok)
+        tl.store(ptr + 2 * PLANE, hv, mask=ok)
+    else:
+        tl.store(ptr, d_up, mask=ok)
+        tl.store(ptr + PLANE, hv, mask=ok)
+
+
 @triton.jit
 def _dense_coef_kernel(
     # pointers
@@ -414,14 +427,7 @@ def _dense_coef_kernel(
                                         rows, r_ok, hc, h_ok, D, stride_xm, stride_gm, stride_wg, stride_wu,
                                         stride_wdt, GATED, HAS_BG, HAS_BU, NATIVE, BR, BH, BK)
         at = i.to(tl.int64)[:, None] * H + hc[None, :]
-        ok = r_ok[:, None] & h_ok[None, :]
-        if GATED:
-            tl.store(coef_ptr + at, d_gate, mask=ok)
-            tl.store(coef_ptr + PLANE + at, d_up, mask=ok)
-            tl.store(coef_ptr + 2 * PLANE + at, hv, mask=ok)
-        else:
-            tl.store(coef_ptr + at, d_up, mask=ok)
-            tl.store(coef_ptr + PLANE + at, hv, mask=ok)
+        _store_planes(coef_ptr + at, PLANE, d_gate, d_up, hv, r_ok[:, None] & h_ok[None, :], GATED)
 
 
 @triton.jit
@@ -517,15 +523,7 @@ def _dense_wgrad_kernel(
             acc_d = dot_split(c_h, gr, acc_d, SPLIT, NATIVE)
             sum_u += _sum(c_u, axis=1)
         out = offs_j.to(tl.int64)[:, None] * D + offs_d[None, :]
-        ok = j_ok[:, None] & d_ok[None, :]
-        plane = H.to(tl.int64) * D
-        if GATED:
-            tl.store(part_ptr + out, acc_g, mask=ok)
-            tl.store(part_ptr + plane + out, acc_u, mask=ok)
-            tl.store(part_ptr + 2 * plane + out, acc_d, mask=ok)
-        else:
-            tl.store(part_ptr + out, acc_u, mask=ok)
-            tl.store(part_ptr + plane + out, acc_d, mask=ok)
+        _store_planes(part_ptr + out, H.to(tl.int64) * D, acc_g, acc_u, acc_d, j_ok[:, None] & d_ok[None, :], GATED)
         if tl.program_id(1) == 0:
             tl.store(psum_ptr + offs_j, sum_u, mask=j_ok)
             if GATED:
