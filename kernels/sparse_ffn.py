@@ -32,11 +32,12 @@ Kernels:
   with an up bias (its load now travels with the weight rows), and simpler.
 * the whole-dense rows, from their list (``dense_rows.dense_list`` of the flags the sparse kernel
   writes; no host sync). The first ``r_cap`` list positions (288 at D=2048, H=5632: a 32 MiB
-  scratch budget, or 2% of the rows if more; ``dense_rows.scratch_capacity``): ``_dense_hidden_kernel`` writes their ``h`` as fp32 ``[16, BH]`` tiles from
-  ``tl.dot`` over D, then ``dense_rows.scratch_product`` multiplies by ``Wdᵀ`` with H split over
-  programs. Past ``r_cap``: ``_dense_rows_kernel``, one program per (``BM`` list positions, ``BD``
-  output columns), gate and up recomputed for each of the ``D / BD`` column blocks. On the H200 at
-  the shape above, one whole-dense row used to cost 1.5 ms (the blocked kernel alone: 4 programs
+  scratch budget, or 2% of the rows if more; ``dense_rows.scratch_capacity``):
+  ``_dense_hidden_kernel`` writes their ``h`` as fp32 ``[16, BH]`` tiles from ``tl.dot`` over D,
+  then ``dense_rows.scratch_product`` multiplies by ``Wdᵀ`` with H split over programs. Past
+  ``r_cap``: ``_dense_rows_kernel``, one program per (``BM`` list positions, ``BD`` output
+  columns), gate and up recomputed for each of the ``D / BD`` column blocks. On the H200 at the
+  shape above, one whole-dense row used to cost 1.5 ms (the blocked kernel alone: 4 programs
   looping over all of H); through the scratch, 0.05 ms for 1–14 rows and 0.17 ms for 288.
 
 Bytes, 16-bit weights (``e = 2``), ``a`` stored pairs per token:
@@ -185,7 +186,7 @@ def _sparse_ffn_kernel(
 ):
     """``out[t] = Σ_pairs h · Wdᵀ[j] + bd`` for every token ``t`` that is not a whole-dense row.
 
-    x ``[M, D]``; wg, wu ``[H, D]``; wdt ``[H, D]`` (= Wdᵀ); biases ``[H]``/``[D]``; TwELL
+    x ``[M, D]``; wu ``[H, D]``; wdt ``[H, D]`` (= Wdᵀ); biases ``[H]``/``[D]``; TwELL
     ``idx``/``val`` ``[M, N_TILES, SLOTS]`` and ``count [M, N_TILES]``; dense bool ``[M]``;
     out ``[M, D]``. A row is whole-dense when ``dense[t]`` or one of its tiles overflows
     (``count > SLOTS``); ``whole [M]`` (uint8) receives that flag, and the dense-row kernels write

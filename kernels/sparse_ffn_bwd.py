@@ -55,10 +55,11 @@ Kernels, in launch order:
 5. ``_wgrad_kernel``: neuron-major. A program owns neuron ``j`` × a ``BD`` slice of D, loops over
    ``j``'s pairs in token order (``dgate``/``dup``/``h`` recomputed from ``val``, ``up_val`` and the
    stored ``dh``) gathering ``x`` and ``dout`` rows, then over the dense rows (scratch column, or
-   recomputed past ``r_cap``; with the GEMM buffer, that buffer and the rows past ``r_cap``), and writes ``dWg_j``, ``dWu_j``, ``dWdᵀ_j`` and the bias grads: no
-   atomics. Launched ``j``-fastest. On the H200 whole rows (``BD = D``) measured fastest, ahead of
-   narrow slices whose ``[M, BD]`` slabs of ``x`` and ``dout`` would stay in L2: a program then
-   has a pair's whole 8 KiB of gathers in flight at once.
+   recomputed past ``r_cap``; with the GEMM buffer, that buffer and the rows past ``r_cap``), and
+   writes ``dWg_j``, ``dWu_j``, ``dWdᵀ_j`` and the bias grads: no atomics. Launched ``j``-fastest.
+   On the H200 whole rows (``BD = D``) measured fastest, ahead of narrow slices whose ``[M, BD]``
+   slabs of ``x`` and ``dout`` would stay in L2: a program then has a pair's whole 8 KiB of
+   gathers in flight at once.
 
 Bytes, 16-bit tensors (``e = 2``), ``P`` stored pairs (``a`` per token):
 
