@@ -263,3 +263,27 @@ def test_the_backward_expects_dense_rows_only_from_a_measured_call():
     for rows, expected in ((DENSE_WGRAD_GEMM_ROWS, True), (DENSE_WGRAD_GEMM_ROWS - 1, False), (0, False)):
         policy.dense_row_fraction = rows / 16384
         assert policy.expects_dense_rows(16384, DENSE_WGRAD_GEMM_ROWS) == expected, rows
+
+
+@pytest.mark.parametrize("dense_rows, expected", [(0.0, False), (0.01, True)])
+def test_the_backward_takes_the_gemm_route_from_the_layers_last_dense_rows(monkeypatch, dense_rows, expected):
+    """``cuda_impl.backward`` asks the kernels for the GEMM route exactly when the layer's last
+    measured call had ``DENSE_WGRAD_GEMM_ROWS`` or more dense rows (here 1% of 1000 rows: 10)."""
+    from twell_compile.kernels import sparse_ffn_bwd
+
+    seen = {}
+
+    def fake_backward(*args, dense_wgrad_gemm=False, **kwargs):
+        seen["gemm"] = dense_wgrad_gemm
+        return "grads"
+
+    monkeypatch.setattr(sparse_ffn_bwd, "sparse_ffn_backward", fake_backward)
+    x, wg, wu, wd, bg, bu, bd = _ffn(m=1000, dtype=torch.float32)
+    packed = R.gate_pack_ref(x, wg, bg)
+    layer = 987_654
+    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)  # no pinned memory on CPU
+    policy.event, policy.measured, policy.dense_row_fraction = None, True, dense_rows
+    monkeypatch.setitem(cuda_impl._policies, (layer, 0), policy)
+    got = cuda_impl.backward(torch.ones_like(x), x, wg, wu, wd, bg, bu, bd, packed, torch.zeros(packed.val.shape),
+                             torch.tensor(0.0), layer=layer)
+    assert got == "grads" and seen["gemm"] is expected
