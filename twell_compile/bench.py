@@ -90,7 +90,7 @@ def make_problem(m: int, d: int, h: int, density: float, *, skewed: bool, heavy_
 
     ``overflow_rows`` tokens (``overflow_row_ids``) are active on every neuron of
     ``overflow_tiles`` evenly spaced TwELL tiles of ``TILE_N`` columns, which then overflow (the
-    sparse path recomputes them densely), and sparse elsewhere: a second constant feature, 1 in
+    sparse path computes those rows densely), and sparse elsewhere: a second constant feature, 1 in
     those rows and 0 in the others, with gate weights that switch those tiles' neurons on.
     """
     if not 0 <= heavy_rows <= m:
