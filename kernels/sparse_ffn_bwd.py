@@ -57,9 +57,9 @@ Kernels, in launch order:
    stored ``dh``) gathering ``x`` and ``dout`` rows, then over the dense rows (scratch column, or
    recomputed past ``r_cap``; with the GEMM buffer, that buffer and the rows past ``r_cap``), and
    writes ``dWg_j``, ``dWu_j``, ``dWdᵀ_j`` and the bias grads: no atomics. Launched ``j``-fastest.
-   On the H200 whole rows (``BD = D``) measured fastest, ahead of narrow slices whose ``[M, BD]``
-   slabs of ``x`` and ``dout`` would stay in L2: a program then has a pair's whole 8 KiB of
-   gathers in flight at once.
+   Until session 16 the dense-row loop's 16-row chunks held every program at 211–254 registers;
+   at 113–123 the autotuner picks 512–1024-wide slices with 1–2 warps (the backward at 0.5%
+   density on the H200: 2.36 → 2.00 ms).
 
 Bytes, 16-bit tensors (``e = 2``), ``P`` stored pairs (``a`` per token):
 
@@ -550,11 +550,11 @@ def _wgrad_configs():
     # (D slice, pairs per chunk, warps, stages). A 13-config sweep on the H200 (bf16, D=2048,
     # H=5632, M=16384, uniform neurons) put whole-row programs first: (2048, 4, 8, 1) took 1.34 ms
     # at 0.5% density and 2.57 ms at 1%, then (64, 8, 1, 1) 1.88 / 3.38 ms; the 256-wide slices
-    # this list started from took 2.8 ms. Whole rows issue 8 KiB of gathers per pair at once.
-    # The autotuner picks (2048, 2, 4, 1) there. Session 14, training step's GPU time at 0.5% /
-    # 1%: 3.74 / 5.85 ms with it, against 4.02 / 6.35 with (1024, 8, 4, 1) and 4.08 / 6.50 with
-    # (2048, 8, 8, 1) (more pairs in flight per program: not kept).
-    shapes = [(2048, 4, 8, 1), (1024, 4, 4, 1), (64, 8, 1, 1), (2048, 2, 4, 1)]
+    # this list started from took 2.8 ms. Those programs held 213-254 registers (the dense-row
+    # loop's 16-row chunks, see the kernel). At 115-123 registers (session 16) the autotuner picks
+    # (1024, 2, 2, 1) at 0.3-1% (before: (2048, 2, 4, 1)).
+    shapes = [(1024, 2, 2, 1), (2048, 2, 4, 1), (1024, 4, 4, 1), (2048, 4, 8, 1), (1024, 4, 2, 1), (512, 2, 1, 1),
+              (64, 8, 1, 1)]
     return [triton.Config({"BD": bd, "CK": ck}, num_warps=w, num_stages=st) for bd, ck, w, st in shapes]
 
 
@@ -608,7 +608,7 @@ def _wgrad_kernel(
     stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
     # meta-parameters
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PARTIAL: tl.constexpr,
-    CR: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, CK: tl.constexpr, EVEN_D: tl.constexpr,
+    BK: tl.constexpr, BD: tl.constexpr, CK: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """``dWg[j, dblock]``, ``dWu[j, dblock]``, ``dWdᵀ[j, dblock]`` (and ``dbg[j]``, ``dbu[j]`` from
     the first D slice) for neuron ``j = program_id(0)``.
@@ -616,7 +616,8 @@ def _wgrad_kernel(
     Sparse pairs: ``list[nptr[j]:nptr[j + 1]]`` (slot numbers; token = slot // SLOT_ROW), with
     ``dgate``/``dup``/``h`` recomputed from TwELL ``val``, ``up`` and the ``dh`` that
     ``_tokens_kernel`` stored. Dense rows: ``rows[:n_dense]``, coefficients from the scratch
-    ``coef [planes, R_CAP, H]`` for list positions ``< R_CAP`` (a multiple of CR), else recomputed.
+    ``coef [planes, R_CAP, H]`` for list positions ``< R_CAP`` (a multiple of BR, so of CK), else
+    recomputed.
     With PARTIAL, the positions ``< R_CAP`` come summed by ``_dense_wgrad_kernel`` (``part``,
     ``psum``) instead. dwg, dwu, dwdt ``[H, D]`` contiguous; every element written exactly once.
     """
@@ -663,12 +664,14 @@ def _wgrad_kernel(
             sum_g += d_gate
         k_ok, slot = next_ok, next_slot
 
-    # Dense rows, in list (= row) order.
-    dsum_g = tl.full((CR,), 0.0, tl.float32)
-    dsum_u = tl.full((CR,), 0.0, tl.float32)
+    # Dense rows, in list (= row) order, CK at a time like the pairs: chunks of 16 whole rows
+    # (session 15) made every program hold 254 registers on sm90 even with no dense row (123 now),
+    # which halved the kernel's occupancy: the backward took 2.36 ms at 0.5% density, now 2.00.
+    dsum_g = tl.full((CK,), 0.0, tl.float32)
+    dsum_u = tl.full((CK,), 0.0, tl.float32)
     n_dense = tl.load(ndense_ptr)
     scale = tl.load(scale_ptr)
-    offs_r = tl.arange(0, CR)
+    offs_r = tl.arange(0, CK)
     first = 0
     if PARTIAL:  # the first R_CAP list positions, summed as GEMMs (written only if n_dense > 0)
         first = R_CAP
@@ -684,7 +687,7 @@ def _wgrad_kernel(
                 acc_u += tl.load(part_ptr + at, mask=d_ok, other=0.0)
                 acc_d += tl.load(part_ptr + plane + at, mask=d_ok, other=0.0)
             sum_u += tl.where(offs_k == 0, tl.load(psum_ptr + j64), 0.0)
-    for i0 in range(first, n_dense, CR):
+    for i0 in range(first, n_dense, CK):
         i = i0 + offs_r
         r_ok = i < n_dense
         rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
@@ -700,7 +703,7 @@ def _wgrad_kernel(
                 d_gate = d_up
         else:
             gate, up, dhd = _neuron_dots(x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, rows, r_ok, j64, D,
-                                         stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt, GATED, CR, BK)
+                                         stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt, GATED, CK, BK)
             if HAS_BU:
                 up += tl.load(bu_ptr + j64).to(tl.float32)
             if GATED:
@@ -918,6 +921,6 @@ def sparse_ffn_backward(
         dwg if gated else dwu, dwu, dwdt, dbg if dbg is not None else dummy, dbu if dbu is not None else dummy,
         d, h, n_tiles * slots, r_cap, r_cap * h,
         x.stride(0), dout.stride(0), *w_strides,
-        **flags, PARTIAL=partial, CR=BR, BK=bk,
+        **flags, PARTIAL=partial, BK=bk,
     )
     return Grads(dx, dwg, dwu, transposed(dwdt), dbg, dbu, dbd)

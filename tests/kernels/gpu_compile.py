@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import struct
 import sys
 import time
 import traceback
@@ -221,9 +222,32 @@ def variants(arch: str, full: bool):
                 yield f"wgrad {tag} partial={partial} {_name(cfg)}", (
                     lambda dtype=dtype, gated=gated, cfg=cfg, partial=partial: compile_kernel(
                         SB._wgrad_kernel, target, dtype,
-                        dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, CR=DR.BR, BK=64,
+                        dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, BK=64,
                              EVEN_D=sixteen),
                         {"nptr_ptr": "*i64"}, cfg))
+
+
+def registers(cubin: bytes) -> int:
+    """Registers per thread of a one-kernel cubin: the ``EIATTR_REGCOUNT`` record (0x2f) of its
+    ``.nv.info`` section, what ``ptxas -v`` reports as "Used N registers"."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)  # ELF64 header: section table offset
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][4]
+    for name_at, _, _, _, offset, size, *_ in sections:
+        if cubin[names + name_at:cubin.index(b"\0", names + name_at)] != b".nv.info":
+            continue
+        at = offset
+        while at < offset + size:  # records: format byte, attribute byte, then a value or a sized blob
+            fmt, attr = cubin[at], cubin[at + 1]
+            if fmt != 4:  # fixed 2-byte value
+                at += 4
+                continue
+            length, = struct.unpack_from("<H", cubin, at + 2)
+            if attr == 0x2F:
+                return struct.unpack_from("<II", cubin, at + 4)[1]  # (kernel symbol, registers)
+            at += 4 + length
+    raise ValueError("no EIATTR_REGCOUNT record in the cubin")
 
 
 def main(argv=None) -> int:
@@ -247,7 +271,8 @@ def main(argv=None) -> int:
             continue
         ptx = compiled.asm["ptx"]
         wgmma = "wgmma.mma_async" in ptx
-        print(f"ok   {args.arch} {label}  cubin {len(compiled.asm['cubin'])} B  wgmma={wgmma}", flush=True)
+        cubin = compiled.asm["cubin"]
+        print(f"ok   {args.arch} {label}  cubin {len(cubin)} B  wgmma={wgmma}  regs={registers(cubin)}", flush=True)
         if args.ptx_dir:
             args.ptx_dir.mkdir(parents=True, exist_ok=True)
             (args.ptx_dir / (label.replace(" ", "_").replace("/", "-")[:150] + ".ptx")).write_text(ptx)
