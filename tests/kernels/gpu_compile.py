@@ -224,7 +224,7 @@ def variants(arch: str, full: bool):
                         SB._wgrad_kernel, target, dtype,
                         dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, BK=64,
                              EVEN_D=sixteen),
-                        {"nptr_ptr": "*i64"}, cfg))
+                        {"nptr_ptr": "*i64", "order_ptr": "*i64"}, cfg))
 
 
 def registers(cubin: bytes) -> int:
