@@ -19,13 +19,15 @@ Measured, for each density and both backends (both ``torch.compile``d in the sam
 
 Also reported: the measured density of ``h`` (twell's per-layer counters), how many layers
 ran the sparse path, and the rows per layer that the sparse path computed densely (overflowed
-tiles: a few such rows cost the backward far more than their share). Timing is wall time over ``iters`` steps after warm-up, synchronised at both
-ends (CUDA events would miss host-bound stretches between kernels).
+tiles: a few such rows cost the backward far more than their share). Timing is the median of
+``iters`` steps after warm-up, each step's wall time synchronised at both ends (CUDA events would
+miss host-bound stretches between kernels).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -100,17 +102,35 @@ def calibrate_gate_biases(model, tokens: torch.Tensor, density: float) -> list[f
     return achieved
 
 
-def _tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: int) -> float:
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: int,
+                  log: Callable[[str], None] = print, label: str = "") -> float:
+    """Tokens per second of the median step, each step timed alone (synchronised at both ends).
+
+    A median, not the mean over the steps: a one-time stall in a timed step (a kernel's first
+    autotuning, a recompile) would otherwise set the number. Steps over 1.5x the median are
+    logged. Session 16 measured the 2B Llama's twell training step at 0.68x of Inductor as the
+    mean of 5 steps, where the same model timed alone ran 428-437 ms per step after its second.
+    """
     for _ in range(warmup):
         step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []
     for _ in range(iters):
+        _sync()
+        start = time.perf_counter()
         step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return tokens * iters / (time.perf_counter() - start)
+        _sync()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    slow = [f"{1e3 * t:.0f}" for t in times if t > 1.5 * median]
+    if slow:
+        log(f"  {label}: {len(slow)} of {iters} timed steps over 1.5x the median step ({1e3 * median:.0f} ms): "
+            f"{', '.join(slow)} ms")
+    return tokens / median
 
 
 def _check_compile_mode(compile_mode: str) -> None:
@@ -173,7 +193,7 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-            speeds[backend] = _tokens_per_s(step, n_tokens, warmup, iters)
+            speeds[backend] = _tokens_per_s(step, n_tokens, warmup, iters, log, f"{mode} {backend}")
             log(f"  {mode:<9} {backend:<8} {speeds[backend]:,.0f} tokens/s")
             if backend == "twell":
                 stats = twell_compile.stats()

@@ -99,3 +99,15 @@ def test_compile_mode_reaches_both_backends(monkeypatch):
     with pytest.raises(ValueError, match="compile_mode"):
         bench_e2e.run([0.05], layers=1, batch=1, seq=8, device="cpu", dtype=torch.float32, config_overrides=TINY,
                       compile_mode="fast", log=lambda line: None)
+
+
+def test_tokens_per_s_is_the_median_step_and_logs_stalls(monkeypatch):
+    # One timed step stalls (a first autotuning, say): the median ignores it and the log names it.
+    clock = iter([0.0, 0.1, 1.0, 1.1, 2.0, 3.0, 4.0, 4.1])  # starts and ends of 4 timed steps
+    monkeypatch.setattr(bench_e2e.time, "perf_counter", lambda: next(clock))
+    calls, lines = [], []
+    speed = bench_e2e._tokens_per_s(lambda: calls.append(1), tokens=1000, warmup=2, iters=4, log=lines.append,
+                                    label="training twell")
+    assert len(calls) == 6
+    assert speed == pytest.approx(1000 / 0.1)
+    assert len(lines) == 1 and "training twell: 1 of 4 timed steps" in lines[0] and "1000 ms" in lines[0], lines
