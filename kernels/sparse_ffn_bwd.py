@@ -554,8 +554,8 @@ def _wgrad_configs():
     # H=5632, M=16384, uniform neurons) put whole-row programs first: (2048, 4, 8, 1) took 1.34 ms
     # at 0.5% density and 2.57 ms at 1%, then (64, 8, 1, 1) 1.88 / 3.38 ms; the 256-wide slices
     # this list started from took 2.8 ms. Those programs held 213-254 registers (the dense-row
-    # loop's 16-row chunks, see the kernel). At 115-123 registers (session 16) the autotuner picks
-    # (1024, 2, 2, 1) at 0.3-1% (before: (2048, 2, 4, 1)).
+    # loop's 16-row chunks, see the kernel). At 113-125 registers (session 16) the autotuner picks
+    # (1024, 2, 2, 1) or (512, 2, 1, 1), run to run, at 0.3-1% (before: (2048, 2, 4, 1)).
     shapes = [(1024, 2, 2, 1), (2048, 2, 4, 1), (1024, 4, 4, 1), (2048, 4, 8, 1), (1024, 4, 2, 1), (512, 2, 1, 1),
               (64, 8, 1, 1)]
     return [triton.Config({"BD": bd, "CK": ck}, num_warps=w, num_stages=st) for bd, ck, w, st in shapes]
