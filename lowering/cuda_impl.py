@@ -138,10 +138,12 @@ _policies: dict[tuple[int, int], _LayerPolicy] = {}
 _lock = threading.Lock()
 
 
-def _policy(layer: int, device: torch.device) -> _LayerPolicy:
+def _policy(layer: int, device: torch.device, *, create: bool = True) -> Optional[_LayerPolicy]:
+    """The layer's policy on ``device``; with ``create=False`` None if it has none yet (a
+    backward must not create policy state, which would also need pinned memory)."""
     key = (layer, device.index or 0)
     p = _policies.get(key)
-    if p is None:
+    if p is None and create:
         with _lock:
             p = _policies.setdefault(key, _LayerPolicy())
     return p
@@ -412,7 +414,7 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     dense_rows = _backward_guard_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, keep=keep)
     # The dense rows' weight gradients as GEMMs (an fp32 [planes, H, D] buffer) when the layer's
     # last measured call had enough of them; the same result either way.
-    policy = None if layer is None else _policies.get((layer, x2d.device.index or 0))
+    policy = None if layer is None else _policy(layer, x2d.device, create=False)
     gemm = policy is not None and policy.expects_dense_rows(x2d.shape[0], DENSE_WGRAD_GEMM_ROWS)
     grads = sparse_ffn_backward(dout2d, x2d, wg, wu, _DownRows.get(wd, keep=keep), bg, bu, bd, packed, up_val,
                                 dense_rows, l1_scale, dense_wgrad_gemm=gemm)
