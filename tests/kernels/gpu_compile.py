@@ -120,7 +120,6 @@ def variants(arch: str, full: bool):
         tag = f"{TY[dtype]} {'gated' if gated else 'plain'}"
         sixteen = dtype != torch.float32  # also: fp32 variants compile the pair loops' D mask (EVEN_D off)
         ovf = GP.overflow_threshold(dtype)
-        biases = dict(HAS_BG=gated, HAS_BU=True)
 
         # gate_pack: TMA descriptors (Hopper, 16-bit) or pointers.
         for use_tma in ([True, False] if hopper and sixteen else [False]):
