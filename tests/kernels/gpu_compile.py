@@ -135,13 +135,16 @@ def variants(arch: str, full: bool):
                               compile_kernel(GP._gate_pack_kernel, target, dtype, consts, types, cfg))
 
         # Forward consumer and its dense rows.
+        # The pair loops walk tiles by a bit set (BITS, H <= 8192) or tile by tile (larger H).
+        walks = [True, False] if all_configs else [True]
         for store_up in ([True, False] if gated else [False]):
             for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D)):
-                consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, SLOTS=SLOTS, NT_P2=NT_P2,
-                              BLOCK_D=D, OVF=ovf, EVEN_D=sixteen)
-                yield (f"sparse_ffn {tag} store_up={store_up} {_name(cfg)}",
-                       lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
-                           SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))
+                for bits in walks:
+                    consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, SLOTS=SLOTS, NT_P2=NT_P2,
+                                  BLOCK_D=D, OVF=ovf, EVEN_D=sixteen, BITS=bits)
+                    yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} {_name(cfg)}",
+                           lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
+                               SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))
         native = sixteen
         bh, bk, bd, warps = SF._SCRATCH_TILES[dtype.itemsize]
         yield f"dense_hidden {tag}", (lambda dtype=dtype, gated=gated, ovf=ovf, bh=bh, bk=bk, warps=warps: compile_kernel(
@@ -202,9 +205,11 @@ def variants(arch: str, full: bool):
                      USE_GATHER=SB._RANK_USE_GATHER),
                 {"dense_ptr": "*u8", "starts_ptr": "*i64" if place else "*i32"}))
         for cfg in _configs(SB._tokens_kernel, all_configs, dict(BLOCK_D=D)):
-            yield f"tokens {tag} {_name(cfg)}", (lambda dtype=dtype, gated=gated, cfg=cfg: compile_kernel(
-                SB._tokens_kernel, target, dtype, dict(GATED=gated, SLOTS=SLOTS, BLOCK_D=D, EVEN_D=sixteen),
-                {"dense_ptr": "*u8"}, cfg))
+            for bits in walks:
+                yield f"tokens {tag} bits={bits} {_name(cfg)}", (lambda dtype=dtype, gated=gated, cfg=cfg, bits=bits: compile_kernel(
+                    SB._tokens_kernel, target, dtype,
+                    dict(GATED=gated, SLOTS=SLOTS, BLOCK_D=D, EVEN_D=sixteen, NT_P2=NT_P2, BITS=bits),
+                    {"dense_ptr": "*u8"}, cfg))
         bh, bk, bd = 64, 64, (64 if dtype == torch.float32 else 128)
         flags = dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=native, BR=DR.BR, BH=bh, BK=bk)
         yield f"dense_coef {tag}", (lambda dtype=dtype, flags=flags: compile_kernel(

@@ -107,6 +107,22 @@ def test_matches_reference(cfg, scratch_rows):
     check_against_reference(ffn, cfg.layout, routes=((None, scratch_rows),), label=str(cfg))
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_tile_by_tile_walk_matches_the_bit_set_walk(gated):
+    """Rows of more than 64 tiles walk them one by one (no bit set); forced here on small H, both
+    walks give the reference's output and the same up values, bitwise."""
+    from twell_compile.kernels import sparse_ffn as K
+
+    layout = TwellLayout(tile_n=16, slots=4)  # 64 tiles (all a bit set holds), some overflowed
+    ffn = _on(make_ffn(14, 24, 1024, density=0.06, gated=gated, bias=True, skew=1.0, seed=4))
+    res = check_against_reference(ffn, layout)
+    bits = _run(ffn, res.packed, res.dense_rows, layout, return_up=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(K, "MAX_BIT_TILES", 0)
+        walk = _run(ffn, res.packed, res.dense_rows, layout, return_up=True)
+    assert torch.equal(bits[0], walk[0]) and torch.equal(bits[1], walk[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # Designed cases: capacity, overflow routing, density extremes
 # ---------------------------------------------------------------------------------------------

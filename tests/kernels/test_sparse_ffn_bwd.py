@@ -190,6 +190,25 @@ def test_matches_reference(case, gemm):
 
 
 @pytest.mark.parametrize("gated", [True, False])
+def test_tile_by_tile_walk_matches_the_bit_set_walk(gated):
+    """Rows of more than 64 tiles walk them one by one (no bit set); forced here on small H, the
+    gradients equal the default walk's bitwise."""
+    from twell_compile.kernels import sparse_ffn as SF
+
+    ffn = _on(make_ffn(12, 24, 300, density=0.05, gated=gated, bias=True, skew=1.0, seed=5), DEV)
+    dout = _dout(12, 24, torch.float32, 5)
+    layout = TwellLayout(tile_n=16, slots=4)  # 19 tiles, some overflowed
+    packed, up_val = _forward(ffn, layout)
+    bits = _grads(ffn, dout, packed, up_val, 0.5, layout=layout)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SF, "MAX_BIT_TILES", 0)
+        walk = _grads(ffn, dout, packed, up_val, 0.5, layout=layout)
+    for a, b in zip(bits, walk):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert_grads_close(bits, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
+
+
+@pytest.mark.parametrize("gated", [True, False])
 def test_several_d_blocks_and_tiles(gated):
     """D spans two D slices of the weight-gradient kernel (interpreter: 32 wide) and H three tiles."""
     ffn = _on(make_ffn(16, 40, 260, density=0.04, gated=gated, bias=True, skew=1.0, seed=3), DEV)
