@@ -55,6 +55,23 @@ def _scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, EVEN: tl.conste
         tl.store(out_ptr + i, tl.load(x_ptr + i, mask=i < n) * scale, mask=i < n)
 
 
+def _scale_key(*args, **kwargs):
+    """``launch``'s tuning key of ``_scale_kernel`` for these arguments."""
+    named = dict(zip(_scale_kernel.arg_names, args))
+    named.update(kwargs)
+    return L._tuning_key(_scale_kernel, named)
+
+
+def test_tuning_key_follows_the_autotuners_key():
+    """The key arguments' values and the kernel arguments' dtypes, as ``Autotuner.run`` keys its
+    choice; launch options such as ``num_warps`` are not kernel arguments."""
+    x32, x16 = torch.zeros(4), torch.zeros(4, dtype=torch.float16)
+    assert _scale_key(x32, x32, 8, 1.0) == _scale_key(x32, x32, 8, 2.0)
+    assert _scale_key(x32, x32, 8, 1.0) != _scale_key(x32, x32, 16, 1.0)
+    assert _scale_key(x32, x32, 8, 1.0) != _scale_key(x16, x32, 8, 1.0)
+    assert _scale_key(x32, x32, 8, 1.0) == _scale_key(x32, x32, 8, 1.0, num_warps=4)
+
+
 def _add(x, y, n, block=64):
     out = torch.full_like(x, -1.0)
     L.launch(_add_kernel, (triton.cdiv(n, block),), x, y, out, n, BLOCK=block)
@@ -104,7 +121,7 @@ def test_autotuned_launch_uses_the_tuners_choice_and_runs_its_pre_hook():
     out = torch.zeros_like(x)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
     L.launch(_scale_kernel, grid, x, out, n, 3.0)
-    chosen = L._configs[(id(_scale_kernel), L._tuning_key(_scale_kernel, (x, out, n, 3.0), {}))]
+    chosen = L._configs[(id(_scale_kernel), _scale_key(x, out, n, 3.0))]
     assert chosen is _scale_kernel.best_config
     before = len(_PRE_HOOK_CALLS)
     L.launch(_scale_kernel, grid, x, out, n, 4.0)
@@ -159,7 +176,7 @@ def test_a_capture_never_autotunes_it_runs_an_untuned_config_once():
     x = torch.randn(n, device="cuda")
     out = torch.zeros_like(x)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
-    key = (id(_scale_kernel), L._tuning_key(_scale_kernel, (x, out, n, 5.0), {}))
+    key = (id(_scale_kernel), _scale_key(x, out, n, 5.0))
     graph = torch.cuda.CUDAGraph()
     with pytest.warns(RuntimeWarning, match="never tuned"):
         with torch.cuda.graph(graph):
