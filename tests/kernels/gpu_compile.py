@@ -137,12 +137,14 @@ def variants(arch: str, full: bool):
         # Forward consumer and its dense rows.
         # The pair loops walk tiles by a bit set (BITS, H <= 8192) or tile by tile (larger H).
         walks = [True, False] if all_configs else [True]
+        # bf16 rows are read as int32 pairs (PAIRS); other dtypes, and bf16 rows of odd length, by halves.
+        pair_reads = [True, False] if dtype == torch.bfloat16 else [False]
         for store_up in ([True, False] if gated else [False]):
             for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D)):
-                for bits in walks:
+                for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
                     consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, SLOTS=SLOTS, NT_P2=NT_P2,
-                                  BLOCK_D=D, OVF=ovf, EVEN_D=sixteen, BITS=bits)
-                    yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} {_name(cfg)}",
+                                  BLOCK_D=D, OVF=ovf, EVEN_D=sixteen, BITS=bits, PAIRS=pairs)
+                    yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} pairs={pairs} {_name(cfg)}",
                            lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
                                SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))
         native = sixteen
@@ -205,11 +207,12 @@ def variants(arch: str, full: bool):
                      USE_GATHER=SB._RANK_USE_GATHER),
                 {"dense_ptr": "*u8", "starts_ptr": "*i64" if place else "*i32"}))
         for cfg in _configs(SB._tokens_kernel, all_configs, dict(BLOCK_D=D)):
-            for bits in walks:
-                yield f"tokens {tag} bits={bits} {_name(cfg)}", (lambda dtype=dtype, gated=gated, cfg=cfg, bits=bits: compile_kernel(
-                    SB._tokens_kernel, target, dtype,
-                    dict(GATED=gated, SLOTS=SLOTS, BLOCK_D=D, EVEN_D=sixteen, NT_P2=NT_P2, BITS=bits),
-                    {"dense_ptr": "*u8"}, cfg))
+            for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
+                yield f"tokens {tag} bits={bits} pairs={pairs} {_name(cfg)}", (
+                    lambda dtype=dtype, gated=gated, cfg=cfg, bits=bits, pairs=pairs: compile_kernel(
+                        SB._tokens_kernel, target, dtype,
+                        dict(GATED=gated, SLOTS=SLOTS, BLOCK_D=D, EVEN_D=sixteen, NT_P2=NT_P2, BITS=bits, PAIRS=pairs),
+                        {"dense_ptr": "*u8"}, cfg))
         bh, bk, bd = 64, 64, (64 if dtype == torch.float32 else 128)
         flags = dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=native, BR=DR.BR, BH=bh, BK=bk)
         yield f"dense_coef {tag}", (lambda dtype=dtype, flags=flags: compile_kernel(
@@ -221,13 +224,13 @@ def variants(arch: str, full: bool):
             SB._dense_wgrad_kernel, target, dtype,
             dict(GATED=gated, SPLIT=dtype == torch.bfloat16, NATIVE=native, BR=DR.BR, BJ=bj, BD=bd_w),
             num_warps=warps_w))
-        for partial in (False, True):
+        for partial, pairs in [(p, q) for p in (False, True) for q in pair_reads]:
             for cfg in _configs(SB._wgrad_kernel, all_configs, {}, {"D": D}):
-                yield f"wgrad {tag} partial={partial} {_name(cfg)}", (
-                    lambda dtype=dtype, gated=gated, cfg=cfg, partial=partial: compile_kernel(
+                yield f"wgrad {tag} partial={partial} pairs={pairs} {_name(cfg)}", (
+                    lambda dtype=dtype, gated=gated, cfg=cfg, partial=partial, pairs=pairs: compile_kernel(
                         SB._wgrad_kernel, target, dtype,
                         dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, BK=64,
-                             EVEN_D=sixteen),
+                             EVEN_D=sixteen, PAIRS=pairs),
                         {"nptr_ptr": "*i64", "order_ptr": "*i64"}, cfg))
 
 

@@ -123,6 +123,37 @@ def test_tile_by_tile_walk_matches_the_bit_set_walk(gated):
     assert torch.equal(bits[0], walk[0]) and torch.equal(bits[1], walk[1])
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_bf16_rows_read_as_pairs(gated):
+    """bf16 rows are read as int32 pairs of elements (``sparse_ffn.paired``): the reference's
+    output, and bitwise the element-wise reads' output and up values. No row is dense here (the
+    dense-row kernels' bf16 ``tl.dot`` does not run in the interpreter)."""
+    from twell_compile.kernels import sparse_ffn as K
+
+    ffn = _on(make_ffn(14, 40, 300, density=0.03, gated=gated, bias=True, skew=1.0, seed=4, dtype=torch.bfloat16))
+    assert K.paired(ffn.x, ffn.wu, ffn.wd.t().contiguous())
+    res = R.ffn_forward_ref(*ffn.args())
+    assert not res.dense_rows.any()
+    pairs = _run(ffn, res.packed, res.dense_rows, return_up=True)
+    assert_out_close(pairs[0], res.out, torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(K, "PAIR_READS", False)
+        elements = _run(ffn, res.packed, res.dense_rows, return_up=True)
+    assert torch.equal(pairs[0], elements[0]) and torch.equal(pairs[1], elements[1])
+
+
+def test_which_rows_are_read_as_pairs():
+    """Pairs need bf16, an even row length, even row strides and 4-byte aligned rows."""
+    from twell_compile.kernels.sparse_ffn import paired
+
+    rows = torch.zeros(4, 10, dtype=torch.bfloat16)
+    assert paired(rows, rows[:, :8])
+    assert not paired(rows.half())  # fp16 widening is no bit operation
+    assert not paired(rows[:, :7])  # odd length
+    assert not paired(torch.zeros(4, 11, dtype=torch.bfloat16)[:, :10])  # odd row stride
+    assert not paired(rows[:, 1:9])  # starts 2 bytes into a pair
+
+
 # ---------------------------------------------------------------------------------------------
 # Designed cases: capacity, overflow routing, density extremes
 # ---------------------------------------------------------------------------------------------

@@ -209,6 +209,29 @@ def test_tile_by_tile_walk_matches_the_bit_set_walk(gated):
 
 
 @pytest.mark.parametrize("gated", [True, False])
+def test_bf16_rows_read_as_pairs(gated):
+    """bf16 rows read as int32 pairs (``sparse_ffn.paired``) by the tokens and weight-gradient
+    kernels: the reference's gradients, and bitwise the element-wise reads' ones. D spans two of
+    the weight-gradient kernel's D slices. No dense row (their bf16 ``tl.dot`` does not run in the
+    interpreter)."""
+    from twell_compile.kernels import sparse_ffn as SF
+
+    ffn = _on(make_ffn(16, 40, 260, density=0.04, gated=gated, bias=True, skew=1.0, seed=3,
+                       dtype=torch.bfloat16), DEV)
+    dout = _dout(16, 40, torch.bfloat16, 3)
+    packed, up_val = _forward(ffn)
+    dense_rows = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
+    assert not dense_rows.any()
+    pairs = _grads(ffn, dout, packed, up_val, 0.5, dense_rows=dense_rows)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SF, "PAIR_READS", False)
+        elements = _grads(ffn, dout, packed, up_val, 0.5, dense_rows=dense_rows)
+    for a, b in zip(pairs, elements):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert_grads_close(pairs, _reference(ffn, dout, packed, up_val, 0.5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("gated", [True, False])
 def test_several_d_blocks_and_tiles(gated):
     """D spans two D slices of the weight-gradient kernel (interpreter: 32 wide) and H three tiles."""
     ffn = _on(make_ffn(16, 40, 260, density=0.04, gated=gated, bias=True, skew=1.0, seed=3), DEV)
