@@ -268,22 +268,32 @@ def test_the_backward_expects_dense_rows_only_from_a_measured_call():
 @pytest.mark.parametrize("dense_rows, expected", [(0.0, False), (0.01, True)])
 def test_the_backward_takes_the_gemm_route_from_the_layers_last_dense_rows(monkeypatch, dense_rows, expected):
     """``cuda_impl.backward`` asks the kernels for the GEMM route exactly when the layer's last
-    measured call had ``DENSE_WGRAD_GEMM_ROWS`` or more dense rows (here 1% of 1000 rows: 10)."""
+    measured call had ``DENSE_WGRAD_GEMM_ROWS`` or more dense rows (here 1% of 1000 rows: 10). The
+    problem's first backward also runs the other route once, result discarded, so that both
+    weight-gradient variants are tuned then and not in the middle of training; running out of
+    memory there only leaves it for later."""
     from twell_compile.kernels import sparse_ffn_bwd
 
-    seen = {}
+    routes = []
 
     def fake_backward(*args, dense_wgrad_gemm=False, **kwargs):
-        seen["gemm"] = dense_wgrad_gemm
-        return "grads"
+        routes.append(dense_wgrad_gemm)
+        if len(routes) == 2 and dense_rows == 0.01:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return f"grads {len(routes)}"
 
     monkeypatch.setattr(sparse_ffn_bwd, "sparse_ffn_backward", fake_backward)
+    monkeypatch.setattr(cuda_impl, "_WARM", set())
     x, wg, wu, wd, bg, bu, bd = _ffn(m=1000, dtype=torch.float32)
     packed = R.gate_pack_ref(x, wg, bg)
     layer = 987_654
     policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)  # no pinned memory on CPU
     policy.event, policy.measured, policy.dense_row_fraction = None, True, dense_rows
     monkeypatch.setitem(cuda_impl._policies, (layer, 0), policy)
-    got = cuda_impl.backward(torch.ones_like(x), x, wg, wu, wd, bg, bu, bd, packed, torch.zeros(packed.val.shape),
-                             torch.tensor(0.0), layer=layer)
-    assert got == "grads" and seen["gemm"] is expected
+
+    def backward():
+        return cuda_impl.backward(torch.ones_like(x), x, wg, wu, wd, bg, bu, bd, packed,
+                                  torch.zeros(packed.val.shape), torch.tensor(0.0), layer=layer)
+
+    assert backward() == "grads 1" and routes == [expected, not expected]
+    assert backward() == "grads 3" and routes == [expected, not expected, expected]
