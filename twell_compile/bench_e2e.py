@@ -176,7 +176,7 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
                 model = base.eval()
                 compiled = torch.compile(model.model, backend=backend, **kwargs)
 
-                def step():
+                def step(compiled=compiled):
                     mark_step()
                     with torch.no_grad():
                         return compiled(tokens)
@@ -187,7 +187,7 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
                 compiled = torch.compile(model, backend=backend, **kwargs)
                 opt = torch.optim.AdamW(model.parameters(), lr=lr)
 
-                def step():
+                def step(compiled=compiled, opt=opt):
                     mark_step()
                     loss = compiled(tokens, labels=tokens).loss
                     loss.backward()

@@ -290,7 +290,7 @@ def run(
 
     window = max(1, cfg.steps // 12)
     echo("")
-    echo(f"  L0 = active FFN neurons per token, L1 = (1/T) Σ|h| per layer, both from twell_compile.stats();")
+    echo("  L0 = active FFN neurons per token, L1 = (1/T) Σ|h| per layer, both from twell_compile.stats();")
     echo(f"  dense rows = tokens the op computed densely (a tile overflowed). Means over the {window} steps up to each row." if window > 1 else "  dense rows = tokens the op computed densely (a tile overflowed).")
     echo("")
     echo(_indent(_summary_table(hist, cfg, window), "  "))

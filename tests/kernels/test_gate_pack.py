@@ -26,7 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tests.strategies import EDGE_H, sizes  # noqa: E402
 from twell_compile.kernels import reference as R  # noqa: E402
-from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellLayout  # noqa: E402
+from twell_compile.kernels.format import TwellLayout  # noqa: E402
 from twell_compile.kernels import gate_pack as GP  # noqa: E402
 from twell_compile.kernels.gate_pack import gate_pack  # noqa: E402
 
