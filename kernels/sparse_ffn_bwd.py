@@ -64,6 +64,12 @@ Kernels, in launch order:
    at 113–123 the autotuner picks 512–1024-wide slices with 1–2 warps (the backward at 0.5%
    density on the H200: 2.36 → 2.00 ms).
 
+Computing ``dh`` in ``_wgrad_kernel`` instead, from the ``dout`` rows it gathers anyway and one
+``Wd`` column per neuron (programs over all of D), spares ``_tokens_kernel`` its ``Wdᵀ`` row per
+pair (12 → 8 KiB), but was not faster on the H200 (session 18: the backward 1.97 against 1.95 ms
+at 0.5% density, 3.14 against 3.17 at 1%, and 3.20 against 2.54 with skewed neurons, whose
+hottest neurons' whole-row programs, at 128 registers, ended the kernel): not kept.
+
 ``_tokens_kernel`` and ``_wgrad_kernel`` read bf16 rows as int32 pairs (``sparse_ffn.load_row``
 and ``widen``: one shift or mask an element instead of a 1.5-instruction conversion; the tokens
 kernel also drops from 72 to 64 registers at 4 warps): the backward at 0.5% density on the H200
