@@ -122,21 +122,30 @@ _DENSE_TILES_INTERPRET = (16, 32, 32, 64, 4, 1)
 # ---------------------------------------------------------------------------------------------
 
 
+# The register cap of one 4-warp config (see _sparse_configs, _prune_sparse).
+_CAPPED_REGS = 56
+
+
 def _sparse_configs():
     if INTERPRET:
         return [triton.Config({"TOKENS": 4}, num_warps=4, num_stages=1)]  # few interpreted ops
     # (warps, tokens per program). On the H200 (bf16, D=2048, H=5632, M=16384, uniform neurons,
     # session 9): 2 warps were fastest with up values at 0.5% (0.62 ms), 4 warps without them
     # (0.58 ms) and with an up bias, 1 and 2 warps at 2%; more tokens per program were slower.
-    shapes = [(2, 1), (4, 1), (1, 1)]
-    return [triton.Config({"TOKENS": t}, num_warps=w, num_stages=1) for w, t in shapes]
+    # Session 18: 4 warps capped at 56 registers (ptxas: no spills at D=2048 with pair reads; 9
+    # programs an SM instead of 8) ran 3-5% faster than at their 64: 0.542 -> 0.517 ms at 0.5%,
+    # 0.963 -> 0.929 at 1%, bitwise the same output.
+    shapes = [(2, 1, None), (4, 1, None), (4, 1, _CAPPED_REGS), (1, 1, None)]
+    return [triton.Config({"TOKENS": t}, num_warps=w, num_stages=1, maxnreg=r) for w, t, r in shapes]
 
 
 def _prune_sparse(configs, nargs, **kwargs):
-    """Keep configs whose ``BLOCK_D`` weight row fits in ≤ 64 fp32 registers per thread; for a D
-    that no config fits, one config of 16 warps."""
+    """Keep configs whose ``BLOCK_D`` weight row fits in ≤ 64 fp32 registers per thread, and the
+    register-capped one only for pair reads of rows up to 2048 wide (where it does not spill); for
+    a D that no config fits, one config of 16 warps."""
     block_d = kwargs["BLOCK_D"]
-    keep = [c for c in configs if block_d <= 64 * 32 * c.num_warps]
+    capped_ok = kwargs.get("PAIRS", False) and block_d <= 2048
+    keep = [c for c in configs if block_d <= 64 * 32 * c.num_warps and (c.maxnreg is None or capped_ok)]
     if keep:
         return keep
     return [triton.Config({"TOKENS": 1}, num_warps=16, num_stages=1)]
@@ -305,7 +314,7 @@ def load_pair(idx_ptr, val_ptr, slot0, tau, s, N_TILES, SLOTS: tl.constexpr, EVI
 # STORE_UP is in the key: training (which stores up values) and inference tune separately. With
 # one shared entry, training ran with the config inference picked first: 1.15 ms per call in an H200
 # profile, against 0.79 ms with its own pick, (1, 4, 1), at 0.5% density.
-@triton.autotune(configs=_sparse_configs(), key=["D", "H", "GATED", "STORE_UP"],
+@triton.autotune(configs=_sparse_configs(), key=["D", "H", "GATED", "STORE_UP", "PAIRS"],
                  prune_configs_by={"early_config_prune": _prune_sparse})
 @triton.heuristics({"EVEN_D": lambda a: a["D"] % a["BLOCK_D"] == 0})
 @triton.jit

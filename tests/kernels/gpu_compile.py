@@ -70,7 +70,8 @@ def _configs(kernel, full: bool, prune_kwargs=None, nargs=None):
 
 
 def _name(config) -> str:
-    return " ".join(f"{k}={v}" for k, v in config.kwargs.items()) + f" w{config.num_warps} s{config.num_stages}"
+    cap = f" maxnreg={config.maxnreg}" if config.maxnreg else ""
+    return " ".join(f"{k}={v}" for k, v in config.kwargs.items()) + f" w{config.num_warps} s{config.num_stages}{cap}"
 
 
 def compile_kernel(kernel, target, dtype, consts: dict, types: dict | None = None, config=None, *, num_warps=4,
@@ -84,6 +85,8 @@ def compile_kernel(kernel, target, dtype, consts: dict, types: dict | None = Non
     if config is not None:
         consts.update(config.kwargs)
         opts.update(num_warps=config.num_warps, num_stages=config.num_stages)
+        if config.maxnreg:
+            opts["maxnreg"] = config.maxnreg
     types = types or {}
     signature = {}
     for name in fn.arg_names:
@@ -140,8 +143,8 @@ def variants(arch: str, full: bool):
         # bf16 rows are read as int32 pairs (PAIRS); other dtypes, and bf16 rows of odd length, by halves.
         pair_reads = [True, False] if dtype == torch.bfloat16 else [False]
         for store_up in ([True, False] if gated else [False]):
-            for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D)):
-                for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
+            for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
+                for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D, PAIRS=pairs)):
                     consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, SLOTS=SLOTS, NT_P2=NT_P2,
                                   BLOCK_D=D, OVF=ovf, EVEN_D=sixteen, BITS=bits, PAIRS=pairs)
                     yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} pairs={pairs} {_name(cfg)}",

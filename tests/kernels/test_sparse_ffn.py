@@ -154,6 +154,17 @@ def test_which_rows_are_read_as_pairs():
     assert not paired(rows[:, 1:9])  # starts 2 bytes into a pair
 
 
+def test_the_register_capped_config_is_tried_only_where_it_does_not_spill():
+    """The 4-warp config capped at 56 registers (9 programs an SM on sm90) is tuned only for pair
+    reads of rows up to 2048 wide, which ptxas fits in 56 without spilling."""
+    from twell_compile.kernels.sparse_ffn import _CAPPED_REGS, _prune_sparse
+
+    plain, capped = (triton.Config({"TOKENS": 1}, num_warps=4, num_stages=1, maxnreg=r) for r in (None, _CAPPED_REGS))
+    assert _prune_sparse([plain, capped], {}, BLOCK_D=2048, PAIRS=True) == [plain, capped]
+    assert _prune_sparse([plain, capped], {}, BLOCK_D=2048, PAIRS=False) == [plain]
+    assert _prune_sparse([plain, capped], {}, BLOCK_D=4096, PAIRS=True) == [plain]
+
+
 # ---------------------------------------------------------------------------------------------
 # Designed cases: capacity, overflow routing, density extremes
 # ---------------------------------------------------------------------------------------------
