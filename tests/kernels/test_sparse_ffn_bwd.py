@@ -189,22 +189,29 @@ def test_matches_reference(case, gemm):
     assert_grads_close(got, ref, kwargs["dtype"])
 
 
+def _grads_bitwise_as_when(switch: str, value, *args, **kwargs) -> R.Grads:
+    """``_grads(*args, **kwargs)``, checked bitwise equal to the same call with the pair loops'
+    switch ``sparse_ffn.<switch>`` set to ``value``."""
+    from twell_compile.kernels import sparse_ffn as SF
+
+    default = _grads(*args, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SF, switch, value)
+        switched = _grads(*args, **kwargs)
+    for a, b in zip(default, switched):
+        assert (a is None and b is None) or torch.equal(a, b), f"{switch}={value} changed the gradients"
+    return default
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_tile_by_tile_walk_matches_the_bit_set_walk(gated):
     """Rows of more than 64 tiles walk them one by one (no bit set); forced here on small H, the
     gradients equal the default walk's bitwise."""
-    from twell_compile.kernels import sparse_ffn as SF
-
     ffn = _on(make_ffn(12, 24, 300, density=0.05, gated=gated, bias=True, skew=1.0, seed=5), DEV)
     dout = _dout(12, 24, torch.float32, 5)
     layout = TwellLayout(tile_n=16, slots=4)  # 19 tiles, some overflowed
     packed, up_val = _forward(ffn, layout)
-    bits = _grads(ffn, dout, packed, up_val, 0.5, layout=layout)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SF, "MAX_BIT_TILES", 0)
-        walk = _grads(ffn, dout, packed, up_val, 0.5, layout=layout)
-    for a, b in zip(bits, walk):
-        assert (a is None and b is None) or torch.equal(a, b)
+    bits = _grads_bitwise_as_when("MAX_BIT_TILES", 0, ffn, dout, packed, up_val, 0.5, layout=layout)
     assert_grads_close(bits, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
 
 
@@ -214,20 +221,13 @@ def test_bf16_rows_read_as_pairs(gated):
     kernels: the reference's gradients, and bitwise the element-wise reads' ones. D spans two of
     the weight-gradient kernel's D slices. No dense row (their bf16 ``tl.dot`` does not run in the
     interpreter)."""
-    from twell_compile.kernels import sparse_ffn as SF
-
     ffn = _on(make_ffn(16, 40, 260, density=0.04, gated=gated, bias=True, skew=1.0, seed=3,
                        dtype=torch.bfloat16), DEV)
     dout = _dout(16, 40, torch.bfloat16, 3)
     packed, up_val = _forward(ffn)
     dense_rows = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
     assert not dense_rows.any()
-    pairs = _grads(ffn, dout, packed, up_val, 0.5, dense_rows=dense_rows)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SF, "PAIR_READS", False)
-        elements = _grads(ffn, dout, packed, up_val, 0.5, dense_rows=dense_rows)
-    for a, b in zip(pairs, elements):
-        assert (a is None and b is None) or torch.equal(a, b)
+    pairs = _grads_bitwise_as_when("PAIR_READS", False, ffn, dout, packed, up_val, 0.5, dense_rows=dense_rows)
     assert_grads_close(pairs, _reference(ffn, dout, packed, up_val, 0.5), torch.bfloat16)
 
 
