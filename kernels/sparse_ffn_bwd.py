@@ -121,6 +121,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _RANK_TB = 64
 # Rank lookup by tl.gather (True) or by a [TB, slots, tile_n] one-hot (False; tests cover both).
 _RANK_USE_GATHER = True
+# Neurons per program of _order_kernel's sort (a power of 2). One program sorting all 5632 neurons
+# (4096 each in two) took 105 us on the H200 (session 19): a bitonic sort is serial in its stages.
+_ORDER_BLOCK = 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +168,7 @@ def _pair_grads(pre, up, act, dh, GATED: tl.constexpr):
 @triton.jit
 def _rank_kernel(
     # pointers
-    idx_ptr, count_ptr, dense_ptr, counts_ptr, starts_ptr, list_ptr,
+    idx_ptr, count_ptr, dense_ptr, counts_ptr, incl_ptr, list_ptr,
     # dimensions
     M, N_TILES, NB,
     # meta-parameters
@@ -178,9 +181,9 @@ def _rank_kernel(
     ``s < min(count, SLOTS)`` of a row with ``dense == 0``. Counting adds, for each column ``c`` of
     the tile, the block's pairs to ``counts[tile·TILE_N + c, b]`` (int32 ``[N_TILES·TILE_N, NB]``,
     zeroed by the caller; integer atomics, so the counts do not depend on their order). Placing reads
-    ``starts`` (int64, same shape: where neuron ``c``'s pairs of block ``b`` begin in the list) and
-    stores each pair's slot number at ``starts + (pairs of that neuron in earlier tokens of the
-    block)``. Columns of a tile row are distinct (the format), so a bitmap holds them exactly.
+    the counts and ``incl``, their inclusive prefix sum in neuron-major order (same shape), so that
+    neuron ``c``'s pairs of block ``b`` begin at ``incl - counts`` in the list, and stores each
+    pair's slot number there plus the pairs of that neuron in earlier tokens of the block. Columns of a tile row are distinct (the format), so a bitmap holds them exactly.
     """
     b = tl.program_id(0)
     tau = tl.program_id(1)
@@ -215,19 +218,46 @@ def _rank_kernel(
             r = tl.gather(rank, loc, axis=1)
         else:
             r = _sum(tl.where(loc[:, :, None] == cols[None, None, :], rank[:, None, :], 0), axis=2)
-        start = tl.load(starts_ptr + neuron * NB + b, mask=valid, other=0)
+        at = neuron * NB + b
+        start = tl.load(incl_ptr + at, mask=valid, other=0) - tl.load(counts_ptr + at, mask=valid, other=0)
         tl.store(list_ptr + start + r, slot.to(list_ptr.dtype.element_ty), mask=valid)
 
 
+@triton.jit
+def _order_kernel(incl_ptr, ptr_ptr, order_ptr, H, NB, N_CHUNKS, BLOCK: tl.constexpr):
+    """``ptr`` (int64 ``[H + 1]``, neuron ``j``'s pairs are ``list[ptr[j]:ptr[j + 1]]``) and
+    ``order`` (int32 ``[H]``, heaviest neurons first) from ``incl`` (``_rank_kernel``).
+
+    Program ``c`` takes neurons ``c, c + N_CHUNKS, ...``, sorts them by decreasing pair count
+    (``tl.sort`` of ``count << 32 | j``) and writes its rank ``r`` neuron to ``order[r·N_CHUNKS +
+    c]``: exactly descending with one chunk, else nearly (the chunks are strided samples of all
+    neurons), which is all the weight-gradient kernel's schedule needs.
+    """
+    c = tl.program_id(0)
+    r = tl.arange(0, BLOCK)
+    j = c + r * N_CHUNKS
+    ok = j < H
+    j64 = j.to(tl.int64)
+    end = tl.load(incl_ptr + (j64 + 1) * NB - 1, mask=ok, other=0).to(tl.int64)
+    begin = tl.load(incl_ptr + j64 * NB - 1, mask=ok & (j > 0), other=0).to(tl.int64)
+    tl.store(ptr_ptr + j64 + 1, end, mask=ok)
+    tl.store(ptr_ptr + r, tl.full([BLOCK], 0, tl.int64), mask=(r == 0) & (c == 0))
+    key = tl.sort(tl.where(ok, ((end - begin) << 32) | j64, -1), descending=True)
+    size = (H - c + N_CHUNKS - 1) // N_CHUNKS
+    tl.store(order_ptr + r * N_CHUNKS + c, (key & 0xFFFFFFFF).to(tl.int32), mask=r < size)
+
+
 def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, layout: TwellLayout = DEFAULT_LAYOUT):
-    """The stored pairs of the sparse rows, grouped by neuron: ``(ptr, slots)``.
+    """The stored pairs of the sparse rows, grouped by neuron: ``(ptr, slots, order)``.
 
     Neuron ``j``'s pairs are ``slots[ptr[j]:ptr[j + 1]]``, as slot numbers
     ``(t · n_tiles + tile) · layout.slots + s`` (so ``t = slot // (n_tiles · slots)``), in
     increasing token order: the same order as a stable argsort of the slots by neuron. ``ptr`` is
     int64 ``[hidden + 1]``; ``slots`` has the capacity of every slot, ``M · n_tiles · slots``
-    (int32, or int64 when that reaches 2³¹), and holds ``ptr[hidden]`` valid entries. Device ops
-    only: no host synchronisation.
+    (int32, or int64 when that reaches 2³¹), and holds ``ptr[hidden]`` valid entries. ``order``
+    (int32 ``[hidden]``) lists the neurons by decreasing pair count (``_order_kernel``; nearly so
+    above ``_ORDER_BLOCK`` neurons). Four launches (a memset, two counting-sort passes, one scan)
+    and ``_order_kernel``; no host synchronisation.
     """
     idx, count = packed.idx, packed.count
     m, n_tiles = count.shape
@@ -239,7 +269,8 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
     slot_dtype = torch.int32 if cap < 2**31 else torch.int64
     lists = torch.empty(max(cap, 1), dtype=slot_dtype, device=dev)
     if m == 0 or n_tiles == 0:
-        return torch.zeros(hidden + 1, dtype=torch.int64, device=dev), lists
+        return (torch.zeros(hidden + 1, dtype=torch.int64, device=dev), lists,
+                torch.arange(hidden, dtype=torch.int32, device=dev))
     idx, count = idx.contiguous(), count.contiguous()
     dense_u8 = dense_rows.contiguous().view(torch.uint8)
     counts = torch.zeros(h_pad, nb, dtype=torch.int32, device=dev)  # the counting pass adds into it
@@ -247,12 +278,19 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
                 USE_GATHER=_RANK_USE_GATHER, num_warps=4)
     grid = (nb, n_tiles)
     launch(_rank_kernel, grid, idx, count, dense_u8, counts, counts, lists, m, n_tiles, nb, PLACE=False, **meta)
-    flat = counts.view(-1)
-    incl = torch.cumsum(flat, 0)  # int64, neuron-major then block: [j0 b0, j0 b1, ..., j1 b0, ...]
-    starts = incl - flat
-    ptr = torch.cat([starts.view(h_pad, nb)[:hidden, 0], incl[-1:]])
-    launch(_rank_kernel, grid, idx, count, dense_u8, counts, starts, lists, m, n_tiles, nb, PLACE=True, **meta)
-    return ptr, lists
+    # Neuron-major then block ([j0 b0, j0 b1, ..., j1 b0, ...]), in the lists' index dtype: its
+    # totals are at most cap (an int64 scan of int32 counts first copies them).
+    incl = torch.cumsum(counts.view(-1), 0, dtype=slot_dtype)
+    launch(_rank_kernel, grid, idx, count, dense_u8, counts, incl, lists, m, n_tiles, nb, PLACE=True, **meta)
+    # One launch instead of torch's argsort of the counts (on the H200's host ~0.2 ms of a training
+    # step's host time in ten launches and memsets, docs/benchmarks.md, session 19).
+    ptr = torch.empty(hidden + 1, dtype=torch.int64, device=dev)
+    order = torch.empty(hidden, dtype=torch.int32, device=dev)
+    n_chunks = cdiv(hidden, _ORDER_BLOCK)
+    block = max(2, next_power_of_2(cdiv(hidden, n_chunks)))
+    launch(_order_kernel, (n_chunks,), incl, ptr, order, hidden, nb, n_chunks, BLOCK=block,
+           num_warps=max(1, min(4, block // 256)))
+    return ptr, lists, order
 
 
 # ---------------------------------------------------------------------------------------------
@@ -918,7 +956,7 @@ def sparse_ffn_backward(
     bg_, bu_ = (bg if bg is not None else dummy), (bu if bu is not None else dummy)
     dh = torch.empty(m, n_tiles, slots, dtype=torch.float32, device=dev)
 
-    nptr, lists = neuron_major(TwellPacked(idx, val, count), dense_rows, h, layout=layout)
+    nptr, lists, order = neuron_major(TwellPacked(idx, val, count), dense_rows, h, layout=layout)
     rows, n_dense = dense_list(dense_rows)
     planes = 3 if gated else 2
     m_pad = cdiv(m, BR) * BR
@@ -971,9 +1009,8 @@ def sparse_ffn_backward(
             x, dout, rows, n_dense, coef, part, psum, d, h, r_cap, r_cap * h, x.stride(0), dout.stride(0),
             GATED=gated, SPLIT=x.dtype == torch.bfloat16, NATIVE=native, BR=BR, BJ=bj, BD=bd_w, num_warps=warps_w,
         )
-    # Neurons by decreasing pair count, per D slice: with skewed neurons (log-normal, the hottest at
-    # 27x the mean pairs) the hottest ones' programs, launched in neuron order, ended each slice.
-    order = torch.argsort(nptr.diff(), descending=True)
+    # Neurons by decreasing pair count (order), per D slice: with skewed neurons (log-normal, the
+    # hottest at 27x the mean pairs) the hottest ones' programs, launched in neuron order, ended each slice.
     launch(_wgrad_kernel, lambda meta: (h, cdiv(d, meta["BD"])),
         x, dout, val, up, dh, nptr, lists, order, rows, n_dense, coef, part, psum,
         wg_, wu, wdt, bg_, bu_, scale,

@@ -208,7 +208,12 @@ def variants(arch: str, full: bool):
                 SB._rank_kernel, target, dtype,
                 dict(PLACE=place, SLOTS=SLOTS, SLOTS_P2=SLOTS, TILE_N=TILE_N, TB=SB._RANK_TB,
                      USE_GATHER=SB._RANK_USE_GATHER),
-                {"dense_ptr": "*u8", "starts_ptr": "*i64" if place else "*i32"}))
+                {"dense_ptr": "*u8", "incl_ptr": "*i32"}))
+        n_chunks = -(-5632 // SB._ORDER_BLOCK)
+        block = triton.next_power_of_2(-(-5632 // n_chunks))
+        yield f"order {tag}", (lambda dtype=dtype, block=block: compile_kernel(
+            SB._order_kernel, target, dtype, dict(BLOCK=block), {"incl_ptr": "*i32", "ptr_ptr": "*i64", "order_ptr": "*i32"},
+            num_warps=max(1, min(4, block // 256))))
         for cfg in _configs(SB._tokens_kernel, all_configs, dict(BLOCK_D=D)):
             for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
                 yield f"tokens {tag} bits={bits} pairs={pairs} {_name(cfg)}", (

@@ -142,7 +142,7 @@ def packed_cases(draw):
 def _check_neuron_major(packed, dense, h, layout):
     packed = TwellPacked(*(t.to(DEV) for t in packed))
     dense = dense.to(DEV)
-    ptr, slots = K.neuron_major(packed, dense, h, layout=layout)
+    ptr, slots, neurons = K.neuron_major(packed, dense, h, layout=layout)
     keys = torch.where(_stored_sparse(packed, dense), packed.idx.long(), h).reshape(-1)
     order = torch.argsort(keys, stable=True)
     n_pairs = int((keys < h).sum())
@@ -151,12 +151,39 @@ def _check_neuron_major(packed, dense, h, layout):
     assert torch.equal(ptr.cpu(), expect_ptr.cpu())
     assert torch.equal(slots[:n_pairs].long().cpu(), order[:n_pairs].cpu())
     assert slots.numel() >= packed.idx.numel()  # capacity: every slot
+    _check_neuron_order(neurons.cpu(), counts.cpu())
+
+
+def _check_neuron_order(neurons, counts):
+    """``neurons``: every neuron once; each program's strided share by decreasing pair count, so
+    exactly decreasing when one program sorts them all."""
+    h = counts.numel()
+    assert neurons.dtype == torch.int32
+    assert torch.equal(neurons.long().sort().values, torch.arange(h))
+    n_chunks = -(-h // K._ORDER_BLOCK)
+    for c in range(n_chunks):
+        share = counts[neurons[c::n_chunks].long()]
+        assert torch.equal(neurons[c::n_chunks].long() % n_chunks, torch.full_like(share, c))
+        assert bool((share[:-1] >= share[1:]).all())
 
 
 @given(case=packed_cases())
 def test_neuron_major_is_a_stable_sort_by_neuron(case):
     """Neuron j's list is its stored pairs of the sparse rows, in token order."""
     _check_neuron_major(*case)
+
+
+def test_neuron_order_in_several_chunks():
+    """Above ``_ORDER_BLOCK`` neurons each program sorts a strided share; the order is still a
+    permutation with every share by decreasing count (skewed counts, H not a multiple of the chunks)."""
+    gen = torch.Generator().manual_seed(1)
+    h = 45
+    rate = torch.rand(h, generator=gen) ** 3
+    pre = torch.where(torch.rand(40, h, generator=gen) < rate, 1.0, -1.0)
+    dense = torch.zeros(40, dtype=torch.bool)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(K, "_ORDER_BLOCK", 8)
+        _check_neuron_major(R.pack_ref(pre, DEFAULT_LAYOUT), dense, h, DEFAULT_LAYOUT)
 
 
 def test_neuron_major_without_gather():
