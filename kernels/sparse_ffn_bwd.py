@@ -256,8 +256,8 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
     int64 ``[hidden + 1]``; ``slots`` has the capacity of every slot, ``M · n_tiles · slots``
     (int32, or int64 when that reaches 2³¹), and holds ``ptr[hidden]`` valid entries. ``order``
     (int32 ``[hidden]``) lists the neurons by decreasing pair count (``_order_kernel``; nearly so
-    above ``_ORDER_BLOCK`` neurons). Four launches (a memset, two counting-sort passes, one scan)
-    and ``_order_kernel``; no host synchronisation.
+    above ``_ORDER_BLOCK`` neurons). A memset, the two counting-sort passes, a scan and
+    ``_order_kernel``; no host synchronisation.
     """
     idx, count = packed.idx, packed.count
     m, n_tiles = count.shape
