@@ -47,6 +47,11 @@ SCRATCH_BYTES = 32 << 20
 # scratch are slow, above all in the backward (on the H200, 16 rows past it cost a training step
 # ~3.4 ms, session 15).
 DENSE_ROW_FRACTION_MAX = 0.02
+# Row blocks in the grids of the kernels for list positions past the scratch, which loop over the
+# rest: a program per block of M - r_cap rows, nearly all returning at once, cost the H200 18 us
+# of a training step (16 thousand programs; session 19). Two in the interpreter, so the CPU tests
+# run the loop.
+BLOCKED_ROW_PROGRAMS = 2 if INTERPRET else 128
 
 
 def scratch_capacity(m: int, bytes_per_row: int, requested: Optional[int] = None) -> int:

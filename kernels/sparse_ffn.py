@@ -95,8 +95,8 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import (BR, INTERPRET, column_mask, dense_list, dot, dot_split, jit_helper, reduce_sum, rowmajor,
-                         scratch_capacity, scratch_product, split_count)
+from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, column_mask, dense_list, dot, dot_split, jit_helper,
+                         reduce_sum, rowmajor, scratch_capacity, scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
 from .launch import cdiv, launch, next_power_of_2
@@ -488,15 +488,15 @@ def _dense_rows_kernel(
     BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
 ):
     """The dense FFN ``out[rows[i], dblock]`` for the ``BM`` list positions ``R_CAP + pid_m·BM ...``
-    below ``n_dense`` (the whole-dense rows the scratch path has no room for).
+    and every ``num_programs·BM`` after them below ``n_dense`` (the whole-dense rows the scratch
+    path has no room for).
 
     ``h`` tiles ``[BM, BH]`` from ``_dense_hidden``, times the ``[BH, BD]`` tile of Wdᵀ by
     ``dot_split`` (``hi + lo`` 16-bit pairs on tensor cores, IEEE fp32 for fp32 inputs). Every
     output column block recomputes gate and up: ``D / BD`` times the gate/up FLOPs of its rows.
     """
-    i0 = R_CAP + tl.program_id(0) * BM
     n_dense = tl.load(ndense_ptr)
-    if i0 < n_dense:
+    for i0 in range(R_CAP + tl.program_id(0) * BM, n_dense, tl.num_programs(0) * BM):
         i = i0 + tl.arange(0, BM)
         r_ok = i < n_dense
         rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
@@ -676,7 +676,7 @@ def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, 
     if m > r_cap:
         bm, bh, bk, bd_blk, warps, stages = _DENSE_TILES_INTERPRET if INTERPRET else _DENSE_TILES[x.element_size()]
         bd_blk = min(bd_blk, max(16, next_power_of_2(d)))
-        launch(_dense_rows_kernel, (cdiv(m - r_cap, bm), cdiv(d, bd_blk)),
+        launch(_dense_rows_kernel, (min(cdiv(m - r_cap, bm), BLOCKED_ROW_PROGRAMS), cdiv(d, bd_blk)),
             *x_args, wdt, bd, rows, n_dense, out, d, h, r_cap, *strides,
             **flags, NATIVE=native, SPLIT=split, OVF=ovf,
             BM=bm, BH=bh, BK=bk, BD=bd_blk, num_warps=warps, num_stages=stages,

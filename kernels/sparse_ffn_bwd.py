@@ -103,8 +103,8 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import (BR, INTERPRET, column_mask, dense_list, dot, dot_split, jit_helper, rowmajor,
-                         scratch_capacity, scratch_product)
+from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, column_mask, dense_list, dot, dot_split, jit_helper,
+                         rowmajor, scratch_capacity, scratch_product)
 from .dense_rows import prefix_sum as _cumsum
 from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
@@ -509,11 +509,11 @@ def _dense_dx_kernel(
     BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
 ):
     """``dx[rows[i], dblock] = Σ_j dgate[i, j] · Wg[j, dblock] + dup[i, j] · Wu[j, dblock]`` for the
-    ``BR`` list positions ``R_CAP + pid·BR ...`` (none past ``n_dense``: the program returns at
-    once), coefficients recomputed over all D (``D / BD`` times the dense gate/up/down-grad products)."""
-    i0 = R_CAP + tl.program_id(0) * BR
+    ``BR`` list positions ``R_CAP + pid·BR ...`` and every ``num_programs·BR`` after them below
+    ``n_dense`` (none: the program returns at once), coefficients recomputed over all D (``D / BD``
+    times the dense gate/up/down-grad products)."""
     n_dense = tl.load(ndense_ptr)
-    if i0 < n_dense:
+    for i0 in range(R_CAP + tl.program_id(0) * BR, n_dense, tl.num_programs(0) * BR):
         i = i0 + tl.arange(0, BR)
         r_ok = i < n_dense
         rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
@@ -995,7 +995,7 @@ def sparse_ffn_backward(
         scratch_product(coef, rows, n_dense, (wg_, wu) if gated else (wu,), dx,
                         split=x.dtype == torch.bfloat16, bh=bh, bd=bd_blk, warps=warps)
     if m_pad > r_cap:
-        launch(_dense_dx_kernel, ((m_pad - r_cap) // BR, cdiv(d, bd_blk)),
+        launch(_dense_dx_kernel, (min((m_pad - r_cap) // BR, BLOCKED_ROW_PROGRAMS), cdiv(d, bd_blk)),
             *dense_args[:-1], dx, d, h, r_cap, x.stride(0), dout.stride(0), *w_strides, dx.stride(0),
             **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, BD=bd_blk, num_warps=warps,
         )
