@@ -165,9 +165,10 @@ def _dense_list_kernel(flags_ptr, rows_ptr, ndense_ptr, M, BLOCK: tl.constexpr):
     for start in range(0, M, BLOCK):
         r = start + offs
         f = (tl.load(flags_ptr + r, mask=r < M, other=0) != 0).to(tl.int32)
-        pos = count + tl.cumsum(f, axis=0) - f
-        tl.store(rows_ptr + pos, r, mask=f != 0)
-        count += tl.sum(f, axis=0)
+        if tl.max(f, axis=0) > 0:  # most blocks flag nothing: no scan for them
+            pos = count + tl.cumsum(f, axis=0) - f
+            tl.store(rows_ptr + pos, r, mask=f != 0)
+            count += tl.sum(f, axis=0)
     tl.store(ndense_ptr, count)
 
 
