@@ -84,8 +84,9 @@ def _setup_context(ctx, inputs, output):
     _, idx, val, count, up_val = output
     ctx.mark_non_differentiable(idx, val, count, up_val)
     # Without this, eager autograd hands the backward zero-filled gradients of the four TwELL
-    # outputs: four [tokens, n_tiles, slots]-sized memsets per step (~0.15 ms of host time and
-    # ~0.05 ms of GPU time at the 2B shape, docs/benchmarks.md, session 19), never read.
+    # outputs: four [tokens, n_tiles, slots]-sized memsets per step (~0.13 ms of host time, ~35 us
+    # of GPU time and 135 MB of the step's peak at the 2B shape, docs/benchmarks.md, session 19),
+    # never read.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff)
     ctx.n_layers, ctx.layer = n_layers, layer
