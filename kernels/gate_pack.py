@@ -360,6 +360,17 @@ def _persistent_programs(device: torch.device) -> int:
 
 
 _SM_COUNT: dict[int, int] = {}
+_MAJOR: dict[int, int] = {}
+
+
+def _sm90_or_newer(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper or newer GPU (cached: ``torch.cuda.get_device_capability``
+    took 5.5 us per call on the H200's host, session 19)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major = _MAJOR.get(index)
+    if major is None:
+        major = _MAJOR.setdefault(index, torch.cuda.get_device_capability(index)[0])
+    return major >= 9
 
 
 def overflow_threshold(dtype: torch.dtype) -> float:
@@ -424,7 +435,7 @@ def gate_pack(
         use_tma = (
             not INTERPRET
             and x.dtype != torch.float32
-            and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and _sm90_or_newer(x.device)
             and _tma_ok(x)
             and _tma_ok(w)
         )
