@@ -183,7 +183,8 @@ def _rank_kernel(
     zeroed by the caller; integer atomics, so the counts do not depend on their order). Placing reads
     the counts and ``incl``, their inclusive prefix sum in neuron-major order (same shape), so that
     neuron ``c``'s pairs of block ``b`` begin at ``incl - counts`` in the list, and stores each
-    pair's slot number there plus the pairs of that neuron in earlier tokens of the block. Columns of a tile row are distinct (the format), so a bitmap holds them exactly.
+    pair's slot number there plus the pairs of that neuron in earlier tokens of the block. Columns
+    of a tile row are distinct (the format), so a bitmap holds them exactly.
     """
     b = tl.program_id(0)
     tau = tl.program_id(1)
@@ -242,7 +243,8 @@ def _order_kernel(incl_ptr, ptr_ptr, order_ptr, H, NB, N_CHUNKS, BLOCK: tl.const
     begin = tl.load(incl_ptr + j64 * NB - 1, mask=ok & (j > 0), other=0).to(tl.int64)
     tl.store(ptr_ptr + j64 + 1, end, mask=ok)
     tl.store(ptr_ptr + r, tl.full([BLOCK], 0, tl.int64), mask=(r == 0) & (c == 0))
-    key = tl.sort(tl.where(ok, ((end - begin) << 32) | j64, -1), descending=True)
+    pairs = tl.minimum(end - begin, 0x7FFFFFFF)  # keys stay non-negative, above the -1 of absent neurons
+    key = tl.sort(tl.where(ok, (pairs << 32) | j64, -1), descending=True)
     size = (H - c + N_CHUNKS - 1) // N_CHUNKS
     tl.store(order_ptr + r * N_CHUNKS + c, (key & 0xFFFFFFFF).to(tl.int32), mask=r < size)
 
@@ -1010,7 +1012,8 @@ def sparse_ffn_backward(
             GATED=gated, SPLIT=x.dtype == torch.bfloat16, NATIVE=native, BR=BR, BJ=bj, BD=bd_w, num_warps=warps_w,
         )
     # Neurons by decreasing pair count (order), per D slice: with skewed neurons (log-normal, the
-    # hottest at 27x the mean pairs) the hottest ones' programs, launched in neuron order, ended each slice.
+    # hottest at 27x the mean pairs) the hottest ones' programs, launched in neuron order, ended
+    # each slice.
     launch(_wgrad_kernel, lambda meta: (h, cdiv(d, meta["BD"])),
         x, dout, val, up, dh, nptr, lists, order, rows, n_dense, coef, part, psum,
         wg_, wu, wdt, bg_, bu_, scale,
