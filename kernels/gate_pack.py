@@ -352,25 +352,25 @@ def _persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (three in the interpreter, to loop over tiles)."""
     if INTERPRET or device.type != "cuda":
         return 3
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SM_COUNT.get(index)
-    if n is None:
-        n = _SM_COUNT.setdefault(index, torch.cuda.get_device_properties(index).multi_processor_count)
-    return n
-
-
-_SM_COUNT: dict[int, int] = {}
-_MAJOR: dict[int, int] = {}
+    return _properties(device).multi_processor_count
 
 
 def _sm90_or_newer(device: torch.device) -> bool:
-    """Whether ``device`` is a Hopper or newer GPU (cached: ``torch.cuda.get_device_capability``
-    took 5.5 us per call on the H200's host, session 19)."""
+    """Whether ``device`` is a Hopper or newer GPU."""
+    return _properties(device).major >= 9
+
+
+def _properties(device: torch.device):
+    """``torch.cuda.get_device_properties``, cached per device: the uncached query
+    (``get_device_capability``) took 5.5 us per call on the H200's host (session 19)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    major = _MAJOR.get(index)
-    if major is None:
-        major = _MAJOR.setdefault(index, torch.cuda.get_device_capability(index)[0])
-    return major >= 9
+    props = _PROPERTIES.get(index)
+    if props is None:
+        props = _PROPERTIES.setdefault(index, torch.cuda.get_device_properties(index))
+    return props
+
+
+_PROPERTIES: dict = {}
 
 
 def overflow_threshold(dtype: torch.dtype) -> float:

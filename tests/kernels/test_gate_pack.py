@@ -320,3 +320,23 @@ def test_gpu_benchmark_shape_random(density):
     assert clear.float().mean() > 0.9
     assert torch.equal(got.count[clear], ref.count[clear])
 
+
+
+def test_device_properties_are_queried_once_per_device(monkeypatch):
+    """The TMA choice and the persistent grid read a device's properties from a cache: the query
+    cost ~5 us of host time per call on the H200."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def props(index):
+        calls.append(index)
+        return SimpleNamespace(major=9 if index == 0 else 8, multi_processor_count=132)
+
+    monkeypatch.setattr(GP, "_PROPERTIES", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    for _ in range(3):
+        assert GP._sm90_or_newer(torch.device("cuda", 0))
+        assert not GP._sm90_or_newer(torch.device("cuda", 1))
+        assert GP._properties(torch.device("cuda", 0)).multi_processor_count == 132
+    assert calls == [0, 1]
