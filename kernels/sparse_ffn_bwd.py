@@ -21,15 +21,17 @@ whole backward can be captured in a CUDA graph.
 Kernels, in launch order:
 
 1. ``_rank_kernel`` (twice): the neuron-major ("transposed") list of the stored pairs, built on the
-   device as a stable counting sort by neuron. A program owns ``TB`` tokens × one TwELL tile.
-   Pass 1 counts the block's pairs per neuron with one integer atomic per pair (exact in any
-   order; it replaced the column sums of pass 2's bitmap: the whole sort went from 0.49 to
-   0.40 ms on the H200 at 0.5% density). Pass 2 turns the tile's slots into a ``[TB, tile_n]``
-   bitmap (through 32-bit words, not a one-hot), whose exclusive prefix sums down the tokens are
-   each pair's rank inside its neuron, so the list order is fixed. Between the passes one
-   ``torch.cumsum`` over ``[H, M / TB]`` counts gives every (neuron, token block) its start. The
-   list holds slot numbers ``(t · n_tiles + tile) · slots + s``; its capacity ``M · n_tiles · slots``
-   is every slot, so it cannot overflow; pairs of a neuron are in token order.
+   device as a stable counting sort by neuron. A program owns ``TB`` (64) tokens × one TwELL
+   tile. Pass 1 adds each pair to its (neuron, block)'s count and sets its token's bit in that
+   (neuron, block)'s 64-bit word, by integer atomics (exact in any order). Between the passes one
+   ``torch.cumsum`` over the ``[H, M / TB]`` counts gives every (neuron, token block) its start;
+   pass 2 places each pair there plus its rank, the popcount of its word's bits below its token's,
+   so the list order is fixed. Until session 20 pass 2 ranked through a ``[TB, tile_n]`` bitmap and
+   its prefix sums down the tokens, work of order ``M · H`` whatever the density (147 registers):
+   on the H200 at 0.5% density both passes took 0.30 ms, now 0.06 (``neuron_major`` 0.34 →
+   0.10–0.16 ms, the same lists). The list holds slot numbers ``(t · n_tiles + tile) · slots +
+   s``; its capacity ``M · n_tiles · slots`` is every slot, so it cannot overflow; pairs of a neuron
+   are in token order.
 2. ``_tokens_kernel``: token-major. A program owns ``TOKENS`` sparse rows, one after the other, with
    the ``dout`` row and the ``dx`` accumulator in registers. It walks the row's stored pairs one at
    a time with ``sparse_ffn.next_pair``'s cursor (a bit set of the tiles that store pairs), loads the
@@ -82,7 +84,8 @@ Bytes, 16-bit tensors (``e = 2``), ``P`` stored pairs (``a`` per token):
   weights fit the H200's 60 MB L2), plus 16 B of TwELL and ``dh``; per token ``2·D·e`` (``dout`` in,
   ``dx`` out) and ``n_tiles·4``.
 * ``_wgrad_kernel``: per pair 2 rows, ``2·D·e`` (8 KiB), from L2 slabs; writes ``3·H·D·e``.
-* lists: ``2·M·n_tiles·4 + 3·P·4`` plus ``H·M/TB·12`` for the counts and their prefix sum.
+* lists: ``2·M·n_tiles·4 + 3·P·4`` plus ``H·M/TB·16`` for the counts, the token words and the
+  counts' prefix sum.
 * ``Wdᵀ``: the launcher copies ``weights.transposed(wd)`` (``2·H·D·e``) unless ``wd`` already is a
   transposed view of a contiguous ``[H, D]`` tensor.
 
@@ -105,7 +108,6 @@ import triton.language as tl
 from .checks import check_ffn_operands, check_packed, check_tensor
 from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, column_mask, dense_list, dot, dot_split, jit_helper,
                          rowmajor, scratch_capacity, scratch_product)
-from .dense_rows import prefix_sum as _cumsum
 from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .launch import cdiv, launch, next_power_of_2
@@ -117,10 +119,9 @@ from .weights import transposed
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# Tokens per program of the counting sort: the counts and their prefix sum are [H, M / TB].
+# Tokens per program of the counting sort (at most 64: one bit each in an int64): the counts, their
+# prefix sum and the token bits are [H, M / TB].
 _RANK_TB = 64
-# Rank lookup by tl.gather (True) or by a [TB, slots, tile_n] one-hot (False; tests cover both).
-_RANK_USE_GATHER = True
 # Neurons per program of _order_kernel's sort (a power of 2). One program sorting all 5632 neurons
 # (4096 each in two) took 105 us on the H200 (session 19): a bitonic sort is serial in its stages.
 _ORDER_BLOCK = 1024
@@ -165,26 +166,35 @@ def _pair_grads(pre, up, act, dh, GATED: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 
 
+@jit_helper
+def _popcount64(v):
+    """Set bits of uint64 ``v`` as int32 (a SWAR count: the interpreter has no ``popc``, and on the
+    GPU it compiles to a handful of integer instructions)."""
+    v = v - ((v >> 1) & 0x5555555555555555)
+    v = (v & 0x3333333333333333) + ((v >> 2) & 0x3333333333333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return ((v * 0x0101010101010101) >> 56).to(tl.int32)
+
+
 @triton.jit
 def _rank_kernel(
     # pointers
-    idx_ptr, count_ptr, dense_ptr, counts_ptr, incl_ptr, list_ptr,
+    idx_ptr, count_ptr, dense_ptr, counts_ptr, tokens_ptr, incl_ptr, list_ptr,
     # dimensions
     M, N_TILES, NB,
     # meta-parameters
-    PLACE: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, TILE_N: tl.constexpr,
-    TB: tl.constexpr, USE_GATHER: tl.constexpr,
+    PLACE: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, TILE_N: tl.constexpr, TB: tl.constexpr,
 ):
-    """Count (``PLACE`` false) or place (``PLACE`` true) the stored pairs of ``TB`` tokens × tile.
+    """Count (``PLACE`` false) or place (``PLACE`` true) the stored pairs of ``TB`` (≤ 64) tokens × tile.
 
     idx ``[M, N_TILES, SLOTS]``, count ``[M, N_TILES]``, dense uint8 ``[M]``. A stored pair is slot
-    ``s < min(count, SLOTS)`` of a row with ``dense == 0``. Counting adds, for each column ``c`` of
-    the tile, the block's pairs to ``counts[tile·TILE_N + c, b]`` (int32 ``[N_TILES·TILE_N, NB]``,
-    zeroed by the caller; integer atomics, so the counts do not depend on their order). Placing reads
-    the counts and ``incl``, their inclusive prefix sum in neuron-major order (same shape), so that
-    neuron ``c``'s pairs of block ``b`` begin at ``incl - counts`` in the list, and stores each
-    pair's slot number there plus the pairs of that neuron in earlier tokens of the block. Columns
-    of a tile row are distinct (the format), so a bitmap holds them exactly.
+    ``s < min(count, SLOTS)`` of a row with ``dense == 0``. Counting adds, for each pair of neuron
+    ``n`` and token ``b·TB + i``, 1 to ``counts[n, b]`` (int32 ``[N_TILES·TILE_N, NB]``) and bit
+    ``i`` to ``tokens[n, b]`` (int64, same shape), both zeroed by the caller (integer atomics, and
+    a token holds a neuron at most once: exact in any order). Placing reads ``tokens`` and ``incl``,
+    the counts' inclusive prefix sum in neuron-major order, so that neuron ``n``'s pairs of block
+    ``b`` begin at ``incl - popcount(tokens)`` in the list, and stores each pair's slot number
+    there plus its rank: the bits of ``tokens`` below its own (the block's earlier tokens).
     """
     b = tl.program_id(0)
     tau = tl.program_id(1)
@@ -199,29 +209,16 @@ def _rank_kernel(
     slot = (rows64[:, None] * N_TILES + tau) * SLOTS + s[None, :]
     col = tl.load(idx_ptr + slot, mask=valid, other=0)
     loc = tl.minimum(tl.maximum(col - tau * TILE_N, 0), TILE_N - 1)  # in the tile (clamped for safety)
-    neuron = (tau * TILE_N + loc).to(tl.int64)
+    at = (tau * TILE_N + loc).to(tl.int64) * NB + b
+    bit = tl.full((TB, 1), 1, tl.uint64) << tl.arange(0, TB).to(tl.uint64)[:, None]  # the token's bit
     if not PLACE:
-        # One integer atomic per pair into the zeroed counts: exact whatever the order.
-        tl.atomic_add(counts_ptr + neuron * NB + b, tl.full((TB, SLOTS_P2), 1, tl.int32), mask=valid, sem="relaxed")
+        tl.atomic_add(counts_ptr + at, tl.full((TB, SLOTS_P2), 1, tl.int32), mask=valid, sem="relaxed")
+        tl.atomic_or(tokens_ptr + at, tl.broadcast_to(bit.to(tl.int64, bitcast=True), (TB, SLOTS_P2)), mask=valid,
+                     sem="relaxed")
     else:
-        # Bitmap [TB, TILE_N] of the block's pairs, through NW words of WB bits per token.
-        WB: tl.constexpr = 32 if TILE_N >= 32 else TILE_N
-        NW: tl.constexpr = TILE_N // WB
-        words_i = tl.arange(0, NW)
-        bit = tl.full((TB, SLOTS_P2), 1, tl.uint32) << (loc % WB).to(tl.uint32)
-        hit = valid[:, :, None] & ((loc // WB)[:, :, None] == words_i[None, None, :])
-        words = _sum(tl.where(hit, bit[:, :, None], 0), axis=1)  # [TB, NW]: distinct bits, so sum = or
-        shifts = tl.arange(0, WB).to(tl.uint32)
-        bits = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 1, (TB, TILE_N)).to(tl.int32)
-        cols = tl.arange(0, TILE_N)
-        rank = _cumsum(bits, axis=0) - bits  # pairs of the same neuron in earlier tokens
-        if USE_GATHER:
-            r = tl.gather(rank, loc, axis=1)
-        else:
-            r = _sum(tl.where(loc[:, :, None] == cols[None, None, :], rank[:, None, :], 0), axis=2)
-        at = neuron * NB + b
-        start = tl.load(incl_ptr + at, mask=valid, other=0) - tl.load(counts_ptr + at, mask=valid, other=0)
-        tl.store(list_ptr + start + r, slot.to(list_ptr.dtype.element_ty), mask=valid)
+        tokens = tl.load(tokens_ptr + at, mask=valid, other=0).to(tl.uint64, bitcast=True)
+        start = tl.load(incl_ptr + at, mask=valid, other=0) - _popcount64(tokens)
+        tl.store(list_ptr + start + _popcount64(tokens & (bit - 1)), slot.to(list_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -275,15 +272,17 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
                 torch.arange(hidden, dtype=torch.int32, device=dev))
     idx, count = idx.contiguous(), count.contiguous()
     dense_u8 = dense_rows.contiguous().view(torch.uint8)
-    counts = torch.zeros(h_pad, nb, dtype=torch.int32, device=dev)  # the counting pass adds into it
-    meta = dict(SLOTS=slots, SLOTS_P2=next_power_of_2(slots), TILE_N=tile_n, TB=_RANK_TB,
-                USE_GATHER=_RANK_USE_GATHER, num_warps=4)
+    # The counting pass adds into both, the int64 token bits and the int32 counts: one memset.
+    zeroed = torch.zeros(3 * h_pad * nb, dtype=torch.int32, device=dev)
+    tokens, counts = zeroed[:2 * h_pad * nb].view(torch.int64).view(h_pad, nb), zeroed[2 * h_pad * nb:].view(h_pad, nb)
+    meta = dict(SLOTS=slots, SLOTS_P2=next_power_of_2(slots), TILE_N=tile_n, TB=_RANK_TB, num_warps=4)
     grid = (nb, n_tiles)
-    launch(_rank_kernel, grid, idx, count, dense_u8, counts, counts, lists, m, n_tiles, nb, PLACE=False, **meta)
+    launch(_rank_kernel, grid, idx, count, dense_u8, counts, tokens, counts, lists, m, n_tiles, nb, PLACE=False,
+           **meta)
     # Neuron-major then block ([j0 b0, j0 b1, ..., j1 b0, ...]), in the lists' index dtype: its
     # totals are at most cap (an int64 scan of int32 counts first copies them).
     incl = torch.cumsum(counts.view(-1), 0, dtype=slot_dtype)
-    launch(_rank_kernel, grid, idx, count, dense_u8, counts, incl, lists, m, n_tiles, nb, PLACE=True, **meta)
+    launch(_rank_kernel, grid, idx, count, dense_u8, counts, tokens, incl, lists, m, n_tiles, nb, PLACE=True, **meta)
     # One launch instead of torch's argsort of the counts (on the H200's host ~0.2 ms of a training
     # step's host time in ten launches and memsets, docs/benchmarks.md, session 19).
     ptr = torch.empty(hidden + 1, dtype=torch.int64, device=dev)

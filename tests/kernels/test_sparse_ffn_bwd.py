@@ -186,15 +186,19 @@ def test_neuron_order_in_several_chunks():
         _check_neuron_major(R.pack_ref(pre, DEFAULT_LAYOUT), dense, h, DEFAULT_LAYOUT)
 
 
-def test_neuron_major_without_gather():
-    """The one-hot rank lookup (the fallback to tl.gather) gives the same lists."""
+def test_neuron_major_across_token_blocks():
+    """Ranks come from each block's token bits (``_RANK_TB`` tokens, up to 64 bits): neurons that
+    every token holds, across several blocks and a partial last one, with dense rows among them,
+    and small layouts (several tiles per row)."""
     gen = torch.Generator().manual_seed(0)
-    pre = torch.where(torch.rand(70, 260, generator=gen) < 0.1, 1.0, -1.0)
-    dense = torch.rand(70, generator=gen) < 0.2
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(K, "_RANK_USE_GATHER", False)
-        for layout in (DEFAULT_LAYOUT, TwellLayout(tile_n=16, slots=3)):
-            _check_neuron_major(R.pack_ref(pre, layout), dense, 260, layout)
+    m = 2 * K._RANK_TB + 7
+    for layout, h, rate in ((DEFAULT_LAYOUT, 260, 0.1), (TwellLayout(tile_n=16, slots=3), 40, 0.15)):
+        pre = torch.where(torch.rand(m, h, generator=gen) < rate, 1.0, -1.0)
+        pre[:, 3] = 1.0  # a neuron in every token: rank = the token's place in its block
+        pre[K._RANK_TB - 1:K._RANK_TB + 1, 5] = 1.0  # the last token of a block and the first of the next
+        dense = torch.rand(m, generator=gen) < 0.2
+        dense[K._RANK_TB - 1] = False
+        _check_neuron_major(R.pack_ref(pre, layout), dense, h, layout)
 
 
 # ---------------------------------------------------------------------------------------------
