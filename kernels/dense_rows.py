@@ -206,10 +206,12 @@ def _flag_rows_kernel(
     M, D, N_TILES, stride_a, stride_b,
     # meta-parameters
     HAS_B: tl.constexpr, HAS_COUNT: tl.constexpr, FLAG_OVERFLOW: tl.constexpr, RECORD: tl.constexpr,
-    FLAG: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+    MARK: tl.constexpr, FLAG: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr, BR: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """``flag_rows`` for rows ``BR·pid ...``: norm tests of ``a`` (and ``b``), overflowed tiles of
-    ``count``, and this block's share of the call's record (``finish_call``)."""
+    ``count``, this block's share of the call's record (``finish_call``), and with ``MARK`` the
+    flagged rows with no overflowed tile marked overflowed (``count[r, 0] = SLOTS + 1``)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < M
     rows = r.to(tl.int64)
@@ -220,10 +222,13 @@ def _flag_rows_kernel(
         tiles = tl.arange(0, NT_P2)
         cnt = tl.load(count_ptr + rows[:, None] * N_TILES + tiles[None, :],
                       mask=r_ok[:, None] & (tiles < N_TILES)[None, :], other=0)
-        dense = flag | (tl.max(cnt, axis=1) > SLOTS)
-        if RECORD:
+        over = tl.max(cnt, axis=1) > SLOTS
+        dense = flag | over
+        if RECORD:  # the counts as read, before any mark
             finish_call(values_ptr, scratch_ptr, tl.sum(tl.sum(cnt, axis=1), axis=0),
                         tl.sum((dense & r_ok).to(tl.int32), axis=0), M, FLAG)
+        if MARK:
+            tl.store(count_ptr + rows * N_TILES, tl.full((BR,), SLOTS + 1, tl.int32), mask=r_ok & flag & (over == 0))
         if FLAG_OVERFLOW:
             flag = dense
     tl.store(flags_ptr + rows, flag.to(tl.uint8), mask=r_ok)
@@ -231,19 +236,24 @@ def _flag_rows_kernel(
 
 def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] = None,
               b_bound: Optional[torch.Tensor] = None, count: Optional[torch.Tensor] = None, *, slots: int = 0,
-              flag_overflow: bool = False, record: Optional[CallRecord] = None) -> torch.Tensor:
+              flag_overflow: bool = False, record: Optional[CallRecord] = None, mark: bool = False) -> torch.Tensor:
     """bool ``[M]``: the rows to compute densely, in one launch (``reference.flag_rows_ref``).
 
     A row is flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32 norm; NaN and
     Inf flag), the same for ``b`` with ``b_bound``, and, with ``flag_overflow``, when one of its
     ``count [M, n_tiles]`` entries exceeds ``slots``. ``record`` (with ``count``) receives the
     call's record (``CallRecord``): ``Σ count`` active entries and the rows flagged or overflowed,
-    with no extra launch. Bounds are fp32 ``[3]`` device tensors; no host sync.
+    with no extra launch. ``mark`` (with ``count``): each flagged row with no overflowed tile gets
+    ``count[r, 0] = slots + 1`` in place, so that whatever reads the counts next (the sparse
+    kernels, a backward) computes it densely as an overflowed row, with no flags to carry. Bounds
+    are fp32 ``[3]`` device tensors; no host sync.
     """
     if (b is None) != (b_bound is None):
         raise ValueError("flag_rows: pass b and b_bound together")
-    if record is not None and count is None:
-        raise ValueError("flag_rows: a record needs count")
+    if (record is not None or mark) and count is None:
+        raise ValueError("flag_rows: a record and marks need count")
+    if mark and not count.is_contiguous():
+        raise ValueError("flag_rows: count must be contiguous to be marked in place")
     m, d = a.shape
     flags = torch.empty(m, dtype=torch.bool, device=a.device)
     if record is not None:
@@ -262,7 +272,7 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
         a_bound if record is None else record.values, a_bound if record is None else record.scratch,
         m, d, n_tiles, a.stride(0), b.stride(0),
         HAS_B=b_bound is not None, HAS_COUNT=count is not None, FLAG_OVERFLOW=flag_overflow,
-        RECORD=record is not None, FLAG=0.0 if record is None else float(record.flag), SLOTS=slots,
+        RECORD=record is not None, MARK=mark, FLAG=0.0 if record is None else float(record.flag), SLOTS=slots,
         NT_P2=max(2, next_power_of_2(n_tiles)), BR=br, BK=min(256, max(16, next_power_of_2(d))),
         num_warps=4,
     )

@@ -393,7 +393,7 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
         out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, dense_rows=guard, wg=wg, bg=bg), None
     dense_rows = l1 = None
     if want_l1:
-        dense_rows = packed.overflow_rows() | guard
+        dense_rows = packed.overflow_rows()  # the guard's rows are marked overflowed
         stored = packed.stored_mask() & ~dense_rows.view(-1, 1, 1)
         h = torch.relu(packed.val) * up_val if gated else torch.relu(packed.val)
         l1 = torch.where(stored, h.abs(), 0.0).sum() / max(1, x2d.shape[0])  # sparse rows only
@@ -411,7 +411,7 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     from twell_compile.kernels.sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS, sparse_ffn_backward
 
     keep = layer not in _CUDA_GRAPH_LAYERS
-    dense_rows = _backward_guard_rows(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, keep=keep)
+    dense_rows = _backward_guard_rows(dout2d, wg, wu, wd, bg, bu, bd, packed, keep=keep)
     # The dense rows' weight gradients as GEMMs (an fp32 [planes, H, D] buffer) when the layer's
     # last measured call had enough of them; the same result either way.
     policy = None if layer is None else _policy(layer, x2d.device, create=False)
@@ -515,26 +515,27 @@ class _WeightFacts:
         return facts
 
 
-def _guard_rows(x, wg, wu, wd, bg, bu, bd, count=None, record=None, *, keep: bool = True) -> torch.Tensor:
+def _guard_rows(x, wg, wu, wd, bg, bu, bd, count, record=None, *, keep: bool = True) -> torch.Tensor:
     """bool [M]: rows the forward computes densely besides those with an overflowed tile, in one kernel that
-    reads x once (``dense_rows.flag_rows``).
+    reads x once (``dense_rows.flag_rows``), which also marks them overflowed in ``count`` (where
+    the backward finds them) and stores the call's ``record``: its active entries (the counts as
+    packed) and dense rows (guard or overflow).
 
     A non-finite row has a non-finite norm, and for gated FFNs ``‖x_t‖·max‖Wu_j‖ + max|bu|``
-    bounds the up projection (a huge finite row is flagged too, which only costs speed). With
-    ``count`` (the TwELL counts), the kernel also stores the call's ``record``: its active entries
-    and dense rows (guard or overflow).
+    bounds the up projection (a huge finite row is flagged too, which only costs speed).
     """
     from twell_compile.kernels.dense_rows import flag_rows
 
     forward_bound, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
-    return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record)
+    return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record, mark=True)
 
 
-def _backward_guard_rows(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, keep: bool = True) -> torch.Tensor:
-    """bool [M]: backward dense rows: the forward's (recomputed), overflowed rows, and rows of
-    ``dout`` that are non-finite or, gated, whose ``dh = dout·Wd`` may overflow. One kernel."""
+def _backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, keep: bool = True) -> torch.Tensor:
+    """bool [M]: backward dense rows, in one kernel: rows with an overflowed tile (which include the
+    rows the forward's guard sent dense, marked in the counts by ``_guard_rows``, and every row of
+    a dense forward), and rows of ``dout`` that are non-finite or, gated, whose ``dh =
+    dout·Wd`` may overflow."""
     from twell_compile.kernels.dense_rows import flag_rows
 
-    forward_bound, backward_bound = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
-    return flag_rows(x, forward_bound, dout, backward_bound, packed.count, slots=DEFAULT_LAYOUT.slots,
-                     flag_overflow=True)
+    _, backward_bound = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
+    return flag_rows(dout, backward_bound, count=packed.count, slots=DEFAULT_LAYOUT.slots, flag_overflow=True)

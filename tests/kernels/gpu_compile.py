@@ -170,11 +170,12 @@ def variants(arch: str, full: bool):
             DR._split_sum_kernel, target, dtype, dict(HAS_BIAS=True, BR=DR.BR, BD=bd)))
         yield "dense_list", (lambda: compile_kernel(DR._dense_list_kernel, target, torch.float32,
                                                     {"BLOCK": 4096}, {"flags_ptr": "*u8"}, num_warps=8))
-        for backward in (False, True):  # the forward guard with counters; the backward's with dout
-            yield f"flag_rows {tag} backward={backward}", (lambda dtype=dtype, backward=backward: compile_kernel(
+        # The forward guard (records, marks the counts); the backward's on dout; on x and dout (the API's).
+        for backward, has_b in ((False, False), (True, False), (True, True)):
+            yield f"flag_rows {tag} backward={backward} b={has_b}", (lambda dtype=dtype, backward=backward, has_b=has_b: compile_kernel(
                 DR._flag_rows_kernel, target, dtype,
-                dict(HAS_B=backward, HAS_COUNT=True, FLAG_OVERFLOW=backward, RECORD=not backward, FLAG=1.0,
-                     SLOTS=SLOTS, NT_P2=NT_P2, BR=16, BK=256),
+                dict(HAS_B=has_b, HAS_COUNT=True, FLAG_OVERFLOW=backward, RECORD=not backward, MARK=not backward,
+                     FLAG=1.0, SLOTS=SLOTS, NT_P2=NT_P2, BR=16, BK=256),
                 {"a_bound_ptr": "*fp32", "b_bound_ptr": "*fp32", "flags_ptr": "*u8", "values_ptr": "*fp64",
                  "scratch_ptr": "*i64"}))
 
@@ -206,9 +207,8 @@ def variants(arch: str, full: bool):
         for place in (False, True):
             yield f"rank {tag} place={place}", (lambda dtype=dtype, place=place: compile_kernel(
                 SB._rank_kernel, target, dtype,
-                dict(PLACE=place, SLOTS=SLOTS, SLOTS_P2=SLOTS, TILE_N=TILE_N, TB=SB._RANK_TB,
-                     USE_GATHER=SB._RANK_USE_GATHER),
-                {"dense_ptr": "*u8", "incl_ptr": "*i32"}))
+                dict(PLACE=place, SLOTS=SLOTS, SLOTS_P2=SLOTS, TILE_N=TILE_N, TB=SB._RANK_TB),
+                {"dense_ptr": "*u8", "tokens_ptr": "*i64", "incl_ptr": "*i32"}))
         n_chunks = -(-5632 // SB._ORDER_BLOCK)
         block = triton.next_power_of_2(-(-5632 // n_chunks))
         yield f"order {tag}", (lambda dtype=dtype, block=block: compile_kernel(

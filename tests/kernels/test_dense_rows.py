@@ -108,6 +108,18 @@ def test_flag_rows_matches_reference(m, d, n_tiles, two, dtype, special, gated, 
     assert got.dtype == torch.bool and got.shape == (m,)
     assert torch.equal(got.cpu(), want)
     assert torch.equal(DR.flag_rows(*dev_args).cpu(), R.flag_rows_ref(*args)[0])  # norms only
+    # Marks: each flagged row with no overflowed tile gets count[r, 0] = slots + 1, nothing else
+    # changes, and the record counts the counts as they were.
+    marked = count.to(DEV)
+    DR.flag_rows(*dev_args, count=marked, slots=slots, record=record, mark=True)
+    assert record.values.tolist()[2:4] == [want_active.item(), want_dense.item()]
+    norm_rows = R.flag_rows_ref(*args)[0]
+    expect = count.clone()
+    expect[norm_rows & ~(count > slots).any(-1), 0] = slots + 1
+    assert torch.equal(marked.cpu(), expect)
+    dense = norm_rows | (count > slots).any(-1)  # what the marked counts alone now say
+    assert torch.equal(R.flag_rows_ref(torch.zeros_like(a), a_bound, count=expect, slots=slots, flag_overflow=True)[0],
+                       dense | ~(a_bound[1] < a_bound[2]))
 
 
 def test_call_record_loses_nothing_when_another_launch_is_in_flight():

@@ -1,7 +1,9 @@
-"""The CUDA path's finiteness guard (``lowering/cuda_impl.py``): its kernel runs under the interpreter on CPU.
+"""The CUDA path's finiteness guard (``lowering/cuda_impl.py``): its kernels run under the interpreter on CPU.
 
-It must flag at least every row the reference guard flags (a superset only costs speed), and
-its weight facts must be recomputed when a weight changes in place. Also the dispatch's token
+The forward's guard runs inside ``sparse_ffn``, which marks the rows it sends dense in the counts;
+the backward adds the rows of ``dout``. Each must flag at least every row the reference guard
+flags (a superset only costs speed), and the weight facts must be recomputed when a weight
+changes in place. Also the dispatch's token
 thresholds in and out of CUDA-graph capture (pure host logic).
 """
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from twell_compile.kernels import reference as R
+from twell_compile.kernels.format import DEFAULT_LAYOUT
 from twell_compile.lowering import cuda_impl
 
 
@@ -22,51 +25,85 @@ def _ffn(m=12, d=16, h=40, dtype=torch.float16, seed=0):
 
 
 def _reference_guard(x, wg, wu, wd, bg, bu, bd):
-    packed = R.gate_pack_ref(x, wg, bg)
+    packed = R.gate_pack_ref(x, wg if wg is not None else wu, bg if wg is not None else bu)
     return R.dense_rows_ref(x, wg, wu, wd, bg, bu, bd, packed) & ~packed.overflow_rows()
 
 
+def _forward_dense_rows(x, wg, wu, wd, bg, bu, bd):
+    """The rows the sparse forward computes densely, as its counts tell the backward: rows with an
+    overflowed tile, and the guard's rows, which ``sparse_ffn`` marks overflowed."""
+    res = cuda_impl._sparse_forward(x, wg, wu, wd, bg, bu, bd, False, False)
+    return res.packed.overflow_rows(), res
+
+
 def test_guard_flags_nonfinite_and_overflowing_rows():
-    x, wg, wu, wd, bg, bu, bd = _ffn()
+    x, wg, wu, wd, _, bu, bd = _ffn()
+    bg = torch.full((wg.shape[0],), -8.0, dtype=x.dtype)  # sparse gates: no row overflows by itself
     x[2, 3] = float("nan")
     x[5, 0] = float("inf")
     x[7] = 3e4  # fp16 up projection may overflow
-    got = cuda_impl._guard_rows(x, wg, wu, wd, bg, bu, bd)
+    got, res = _forward_dense_rows(x, wg, wu, wd, bg, bu, bd)
     ref = _reference_guard(x, wg, wu, wd, bg, bu, bd)
     assert got[[2, 5, 7]].all()
     assert bool((got | ~ref).all()), "every reference guard row must be flagged"
     assert not got[[0, 1, 3]].any()
+    assert torch.equal(res.out[[0, 1, 3]], R.ffn_forward_ref(x, wg, wu, wd, bg, bu, bd).out[[0, 1, 3]].to(x.dtype))
 
 
 def test_guard_plain_ffn_flags_only_nonfinite_rows():
-    x, _, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
+    x, _, wu, wd, _, _, bd = _ffn(dtype=torch.float32)
+    bu = torch.full((wu.shape[0],), -8.0)
     x[4, 1] = float("nan")
-    got = cuda_impl._guard_rows(x, None, wu, wd, None, bu, bd)
+    got, _ = _forward_dense_rows(x, None, wu, wd, None, bu, bd)
     assert got.tolist() == [i == 4 for i in range(x.shape[0])]
 
 
+def test_guard_marks_only_rows_without_an_overflowed_tile():
+    """A guard row keeps its true counts in every tile but the first, which becomes slots + 1; a
+    row that already overflows keeps its counts."""
+    from twell_compile.kernels.gate_pack import gate_pack
+
+    slots = DEFAULT_LAYOUT.slots
+    for h, marked_rows in ((slots, [1, 6]), (40, [])):  # a tile of <= slots columns never overflows
+        x, wg, wu, wd, _, bu, bd = _ffn(h=h)
+        bg = torch.full((h,), -8.0, dtype=x.dtype)
+        x[1] = 3e4  # finite, but its fp16 up projection may overflow: the guard sends it dense
+        x[6, 2] = float("nan")  # every gate NaN, so active
+        true = gate_pack(x, wg, bg).count
+        assert (int(true[6, 0]) > slots) == (h > slots)
+        _, res = _forward_dense_rows(x, wg, wu, wd, bg, bu, bd)
+        marked = ~torch.eq(res.packed.count, true).all(-1)
+        assert marked.nonzero().flatten().tolist() == [r for r in marked_rows if int(true[r, 0]) <= slots]
+        assert all(int(res.packed.count[r, 0]) == slots + 1 for r in marked_rows)
+        assert res.packed.overflow_rows()[[1, 6]].all()
+
+
 def test_weight_facts_follow_in_place_updates():
-    x, wg, wu, wd, bg, bu, bd = _ffn(dtype=torch.float32)
-    assert not cuda_impl._guard_rows(x, wg, wu, wd, bg, bu, bd).any()
+    x, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
+    bg = torch.full((wg.shape[0],), -8.0)
+    assert not _forward_dense_rows(x, wg, wu, wd, bg, bu, bd)[0].any()
     wd[0, 0] = float("inf")  # bumps wd._version: the cached facts must not be reused
-    assert cuda_impl._guard_rows(x, wg, wu, wd, bg, bu, bd).all()
+    assert _forward_dense_rows(x, wg, wu, wd, bg, bu, bd)[0].all()
 
 
 def test_weight_facts_work_for_inference_mode_tensors():
     with torch.inference_mode():
-        x, wg, wu, wd, bg, bu, bd = _ffn(dtype=torch.float32)
-        assert not cuda_impl._guard_rows(x, wg, wu, wd, bg, bu, bd).any()
+        x, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
+        bg = torch.full((wg.shape[0],), -8.0)
+        assert not _forward_dense_rows(x, wg, wu, wd, bg, bu, bd)[0].any()
 
 
-def test_backward_guard_adds_dout_rows_and_overflow_rows():
-    x, wg, wu, wd, bg, bu, bd = _ffn(dtype=torch.float32)
-    packed = R.gate_pack_ref(x, wg, bg)
+def test_backward_guard_adds_dout_rows_to_the_forwards_dense_rows():
+    x, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
+    bg = torch.full((wg.shape[0],), -8.0)
+    x[5, 0] = float("inf")
+    _, res = _forward_dense_rows(x, wg, wu, wd, bg, bu, bd)
     dout = torch.randn_like(x)
     dout[3, 2] = float("nan")
-    got = cuda_impl._backward_guard_rows(dout, x, wg, wu, wd, bg, bu, bd, packed)
-    ref = R.backward_dense_rows_ref(dout, x, wg, wu, wd, bg, bu, bd, packed)
+    got = cuda_impl._backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, res.packed)
+    ref = R.backward_dense_rows_ref(dout, x, wg, wu, wd, bg, bu, bd, R.gate_pack_ref(x, wg, bg))
     assert bool((got | ~ref).all())
-    assert got[3]
+    assert got[3] and got[5]
 
 
 # The dense path and its saved activations are plain torch too.
