@@ -40,13 +40,14 @@ Kernels, in launch order:
    same with its slot list. Together: the backward went from 2.70 to 2.48 ms at 0.5% density and
    from 4.76 to 4.35 ms at 1% on the H200, in the same process (session 6); the cursor, which
    replaced a ``[CH, n_tiles]`` search over prefix sums, took it from 2.38–2.40 to 2.33 ms.
-3. ``_dense_coef_kernel``: ``dgate``, ``dup`` and ``h`` of the first ``r_cap`` dense rows over all
-   H, as ``[16, BH]`` tiles from ``tl.dot`` over D, into an fp32 scratch ``[3, r_cap, H]``
-   (``r_cap`` from a 32 MiB budget, 496 rows at H = 5632, or 2% of the rows if more:
-   ``dense_rows.scratch_capacity``).
-4. ``dx`` of the dense rows. The first ``r_cap`` list positions: ``dense_rows.scratch_product``
-   (H split over programs, bf16 coefficients as ``hi + lo`` pairs on tensor cores). Positions past
-   ``r_cap``: ``_dense_dx_kernel``, coefficients recomputed over all H (exact, slow). Before the
+3. ``_dense_coef_dx_kernel``, two independent jobs in one launch (one launch's host time fewer,
+   session 20): ``dgate``, ``dup`` and ``h`` of the first ``r_cap`` dense rows over all H, as
+   ``[16, BH]`` tiles from ``tl.dot`` over D, into an fp32 scratch ``[3, r_cap, H]`` (``r_cap``
+   from a 32 MiB budget, 496 rows at H = 5632, or 2% of the rows if more:
+   ``dense_rows.scratch_capacity``); and ``dx`` of the list positions past ``r_cap``,
+   coefficients recomputed over all H (exact, slow).
+4. ``dx`` of the first ``r_cap`` list positions: ``dense_rows.scratch_product`` (H split over
+   programs, bf16 coefficients as ``hi + lo`` pairs on tensor cores). Before the
    split, one dense row cost 4.7 ms at the benchmark shape on the H200; with it, 0.05 ms
    (backward 3.04 ms with one dense row, 3.05 with 14, 2.95 with none).
    With ``dense_wgrad_gemm``, ``_dense_wgrad_kernel`` then sums the scratch rows' share of the
@@ -468,75 +469,71 @@ def _store_planes(ptr, PLANE, d_gate, d_up, hv, ok, GATED: tl.constexpr):
 
 
 @triton.jit
-def _dense_coef_kernel(
+def _dense_coef_dx_kernel(
     # pointers
-    x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale_ptr, rows_ptr, ndense_ptr, coef_ptr,
-    # dimensions (PLANE = R_CAP · H, the stride between coefficient planes)
-    D, H, PLANE,
-    # row strides (elements)
-    stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
-    # meta-parameters
-    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, NATIVE: tl.constexpr,
-    BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-):
-    """Scratch ``coef[0|1|2, i, j]`` = ``dgate``, ``dup``, ``h`` of dense row ``rows[i]``, neuron ``j``,
-    for the list positions ``i < min(n_dense, R_CAP)`` of this program's ``BR × BH`` block.
-    (Plain FFNs store ``dup`` and ``h`` at planes 0 and 1.)"""
-    i = tl.program_id(0) * BR + tl.arange(0, BR)
-    n_dense = tl.load(ndense_ptr)
-    if tl.program_id(0) * BR < n_dense:
-        r_ok = i < n_dense
-        rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
-        hc = tl.program_id(1) * BH + tl.arange(0, BH)
-        h_ok = hc < H
-        hc = hc.to(tl.int64)
-        d_gate, d_up, hv = _dense_coefs(x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, tl.load(scale_ptr),
-                                        rows, r_ok, hc, h_ok, D, stride_xm, stride_gm, stride_wg, stride_wu,
-                                        stride_wdt, GATED, HAS_BG, HAS_BU, NATIVE, BR, BH, BK)
-        at = i.to(tl.int64)[:, None] * H + hc[None, :]
-        _store_planes(coef_ptr + at, PLANE, d_gate, d_up, hv, r_ok[:, None] & h_ok[None, :], GATED)
-
-
-@triton.jit
-def _dense_dx_kernel(
-    # pointers
-    x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale_ptr, rows_ptr, ndense_ptr, dx_ptr,
-    # dimensions (R_CAP: the first list position this kernel handles)
-    D, H, R_CAP,
+    x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale_ptr, rows_ptr, ndense_ptr, coef_ptr, dx_ptr,
+    # dimensions (PLANE = R_CAP · H, the stride between coefficient planes; the programs of each role)
+    D, H, R_CAP, PLANE, COEF_PROGRAMS, DX_ROW_PROGRAMS,
     # row strides (elements)
     stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt, stride_dxm,
     # meta-parameters
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, NATIVE: tl.constexpr,
     BR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
 ):
-    """``dx[rows[i], dblock] = Σ_j dgate[i, j] · Wg[j, dblock] + dup[i, j] · Wu[j, dblock]`` for the
-    ``BR`` list positions ``R_CAP + pid·BR ...`` and every ``num_programs·BR`` after them below
-    ``n_dense`` (none: the program returns at once), coefficients recomputed over all D (``D / BD``
-    times the dense gate/up/down-grad products)."""
+    """The dense rows' two independent jobs, one launch (a 1-D grid, the first ``COEF_PROGRAMS``
+    programs take the first):
+
+    * scratch ``coef[0|1|2, i, j]`` = ``dgate``, ``dup``, ``h`` of dense row ``rows[i]``, neuron
+      ``j``, for the list positions ``i < min(n_dense, R_CAP)``, one ``BR × BH`` block a program
+      (plain FFNs store ``dup`` and ``h`` at planes 0 and 1);
+    * ``dx[rows[i], dblock] = Σ_j dgate[i, j] · Wg[j, dblock] + dup[i, j] · Wu[j, dblock]`` for the
+      list positions past ``R_CAP``: ``DX_ROW_PROGRAMS`` programs per ``BD`` columns, each taking
+      ``BR`` positions and every ``DX_ROW_PROGRAMS·BR`` after them below ``n_dense`` (none: it
+      returns at once), coefficients recomputed over all D (``D / BD`` times the dense
+      gate/up/down-grad products).
+    """
+    pid = tl.program_id(0)
     n_dense = tl.load(ndense_ptr)
-    for i0 in range(R_CAP + tl.program_id(0) * BR, n_dense, tl.num_programs(0) * BR):
-        i = i0 + tl.arange(0, BR)
-        r_ok = i < n_dense
-        rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
-        offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-        d_ok = offs_d < D
-        scale = tl.load(scale_ptr)
-        acc = tl.full((BR, BD), 0.0, tl.float32)
-        for h0 in range(0, H, BH):
-            hc = h0 + tl.arange(0, BH)
+    if pid < COEF_PROGRAMS:
+        h_blocks = tl.cdiv(H, BH)
+        i = (pid // h_blocks) * BR + tl.arange(0, BR)
+        if (pid // h_blocks) * BR < n_dense:
+            r_ok = i < n_dense
+            rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
+            hc = (pid % h_blocks) * BH + tl.arange(0, BH)
             h_ok = hc < H
             hc = hc.to(tl.int64)
-            d_gate, d_up, _ = _dense_coefs(x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale,
-                                           rows, r_ok, hc, h_ok, D, stride_xm, stride_gm, stride_wg, stride_wu,
-                                           stride_wdt, GATED, HAS_BG, HAS_BU, NATIVE, BR, BH, BK)
-            w_mask = h_ok[:, None] & d_ok[None, :]
-            wu = tl.load(wu_ptr + hc[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
-            acc = dot(d_up, wu, acc, False)
-            if GATED:
-                wg = tl.load(wg_ptr + hc[:, None] * stride_wg + offs_d[None, :], mask=w_mask, other=0.0)
-                acc = dot(d_gate, wg, acc, False)
-        tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
-                 mask=r_ok[:, None] & d_ok[None, :])
+            d_gate, d_up, hv = _dense_coefs(x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr,
+                                            tl.load(scale_ptr), rows, r_ok, hc, h_ok, D, stride_xm, stride_gm,
+                                            stride_wg, stride_wu, stride_wdt, GATED, HAS_BG, HAS_BU, NATIVE, BR, BH,
+                                            BK)
+            at = i.to(tl.int64)[:, None] * H + hc[None, :]
+            _store_planes(coef_ptr + at, PLANE, d_gate, d_up, hv, r_ok[:, None] & h_ok[None, :], GATED)
+    else:
+        q = pid - COEF_PROGRAMS
+        offs_d = (q // DX_ROW_PROGRAMS) * BD + tl.arange(0, BD)
+        d_ok = offs_d < D
+        for i0 in range(R_CAP + (q % DX_ROW_PROGRAMS) * BR, n_dense, DX_ROW_PROGRAMS * BR):
+            i = i0 + tl.arange(0, BR)
+            r_ok = i < n_dense
+            rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
+            scale = tl.load(scale_ptr)
+            acc = tl.full((BR, BD), 0.0, tl.float32)
+            for h0 in range(0, H, BH):
+                hc = h0 + tl.arange(0, BH)
+                h_ok = hc < H
+                hc = hc.to(tl.int64)
+                d_gate, d_up, _ = _dense_coefs(x_ptr, dout_ptr, wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale,
+                                               rows, r_ok, hc, h_ok, D, stride_xm, stride_gm, stride_wg, stride_wu,
+                                               stride_wdt, GATED, HAS_BG, HAS_BU, NATIVE, BR, BH, BK)
+                w_mask = h_ok[:, None] & d_ok[None, :]
+                wu = tl.load(wu_ptr + hc[:, None] * stride_wu + offs_d[None, :], mask=w_mask, other=0.0)
+                acc = dot(d_up, wu, acc, False)
+                if GATED:
+                    wg = tl.load(wg_ptr + hc[:, None] * stride_wg + offs_d[None, :], mask=w_mask, other=0.0)
+                    acc = dot(d_gate, wg, acc, False)
+            tl.store(dx_ptr + rows[:, None] * stride_dxm + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
+                     mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -986,20 +983,20 @@ def sparse_ffn_backward(
         dout.stride(0), *w_strides, dx.stride(0),
         GATED=gated, SLOTS=slots, BLOCK_D=block_d, NT_P2=nt_p2, BITS=bit_walk(nt_p2), PAIRS=paired(dout, wg_, wu, wdt),
     )
-    dense_args = (x, dout, wg_, wu, wdt, bg_, bu_, scale, rows, n_dense, coef)
-    if r_cap:
-        launch(_dense_coef_kernel, (r_cap // BR, cdiv(h, bh)),
-            *dense_args, d, h, r_cap * h, x.stride(0), dout.stride(0), *w_strides,
-            **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, num_warps=warps,
+    # The scratch of the first r_cap list positions and dx of the positions past it: one launch.
+    coef_programs = (r_cap // BR) * cdiv(h, bh)
+    dx_row_programs = min((m_pad - r_cap) // BR, BLOCKED_ROW_PROGRAMS)
+    if coef_programs or dx_row_programs:
+        launch(_dense_coef_dx_kernel, (coef_programs + dx_row_programs * cdiv(d, bd_blk),),
+            x, dout, wg_, wu, wdt, bg_, bu_, scale, rows, n_dense, coef, dx,
+            d, h, r_cap, r_cap * h, coef_programs, max(1, dx_row_programs),
+            x.stride(0), dout.stride(0), *w_strides, dx.stride(0),
+            **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, BD=bd_blk, num_warps=warps,
         )
+    if r_cap:
         # hi + lo in bf16 only: fp16's range cannot hold every finite fp32 coefficient.
         scratch_product(coef, rows, n_dense, (wg_, wu) if gated else (wu,), dx,
                         split=x.dtype == torch.bfloat16, bh=bh, bd=bd_blk, warps=warps)
-    if m_pad > r_cap:
-        launch(_dense_dx_kernel, (min((m_pad - r_cap) // BR, BLOCKED_ROW_PROGRAMS), cdiv(d, bd_blk)),
-            *dense_args[:-1], dx, d, h, r_cap, x.stride(0), dout.stride(0), *w_strides, dx.stride(0),
-            **flags, NATIVE=native, BR=BR, BH=bh, BK=bk, BD=bd_blk, num_warps=warps,
-        )
     partial = dense_wgrad_gemm and r_cap > 0
     part = psum = dummy
     if partial:

@@ -223,10 +223,8 @@ def variants(arch: str, full: bool):
                         {"dense_ptr": "*u8"}, cfg))
         bh, bk, bd = 64, 64, (64 if dtype == torch.float32 else 128)
         flags = dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=native, BR=DR.BR, BH=bh, BK=bk)
-        yield f"dense_coef {tag}", (lambda dtype=dtype, flags=flags: compile_kernel(
-            SB._dense_coef_kernel, target, dtype, flags))
-        yield f"dense_dx {tag}", (lambda dtype=dtype, flags=flags, bd=bd: compile_kernel(
-            SB._dense_dx_kernel, target, dtype, dict(flags, BD=bd)))
+        yield f"dense_coef_dx {tag}", (lambda dtype=dtype, flags=flags, bd=bd: compile_kernel(
+            SB._dense_coef_dx_kernel, target, dtype, dict(flags, BD=bd)))
         bj, bd_w, warps_w = SB._DENSE_WGRAD_TILES
         yield f"dense_wgrad {tag}", (lambda dtype=dtype, gated=gated: compile_kernel(
             SB._dense_wgrad_kernel, target, dtype,
