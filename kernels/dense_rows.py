@@ -3,20 +3,27 @@ weights over H.
 
 A few rows of a sparse batch are computed densely: rows with an overflowed tile, rows of the
 finiteness guard. ``flag_rows`` finds the guard rows in one launch (row norms against bounds from
-the weights, ``weights.guard_bounds``) and can add a call's counts to a telemetry buffer on the way;
-``dense_list`` lists the flagged rows on the device. The forward (``sparse_ffn``) and the backward
+the weights, ``weights.guard_bounds``) and can add a call's counts to a telemetry buffer on the way,
+and list the flagged rows on the device in its last program (``with_list``; ``dense_list`` does it
+in a launch of its own). The forward (``sparse_ffn``) and the backward
 (``sparse_ffn_backward``) first write those rows' per-neuron values (``h``; ``dgate`` and ``dup``)
 into an fp32 scratch ``[planes, r_cap, H]``, one ``[16, BH]`` tile per program. This module turns
 the scratch into rows of the output: ``dst[rows[i]] = Σ_planes coef[p, i, :] @ W_p (+ bias)``.
 
-H is split over programs, then the splits are summed in a fixed order (deterministic, one writer
-per output element). Before the split, the H200 took milliseconds for a single dense row at
+H is split over programs, then the last split of each output tile to finish sums the splits in a
+fixed order (deterministic, one writer per output element). Before the split, the H200 took milliseconds for a single dense row at
 D = 2048, H = 5632: a handful of programs each looped over all of H (4.7 ms in the backward, 1.5 ms
 in the forward); split, it takes tens of microseconds.
 
 It also holds the small helpers the kernel files share: ``jit_helper``, ``rowmajor``,
 ``reduce_sum``/``prefix_sum`` (interpreter-friendly reductions), ``dot`` and ``dot_split``, and
-``CallRecord``/``finish_call``: a launch's counts stored as one call's record by its last program.
+``CallRecord``/``finish_call``: a launch's counts stored as one call's record by its last program;
+``last_to_arrive``: which program of a launch is the last (a ticket).
+
+The lists and the split sums were launches of their own until session 21: on the H200 a training
+step's host time measured the same without them (2.547 and 2.543 ms, in one process), since each
+now needs a zeroed ticket, a fill as costly on the host as a Triton launch; an inference call's fell
+from 0.601 to 0.576 ms, and each step has four fewer kernels (docs/benchmarks.md, session 21).
 
 Everything runs on the device from ``n_dense`` (an int32 ``[1]`` tensor): no host sync, CUDA-graph
 capturable. List positions past ``n_dense`` cost one early return per program.
@@ -156,6 +163,17 @@ def rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+@jit_helper
+def last_to_arrive(ticket_ptr, programs):
+    """Whether this program is the last of ``programs`` to get here, through the zeroed int32
+    ``ticket``. Everything every program stored before its call is visible to the last one: the
+    CTA barrier orders its threads' stores before the ticket's release (``atomic_add`` is acq_rel
+    at GPU scope), and the last program's acquire orders them before its loads. No program waits
+    for another, so any grid size is safe."""
+    tl.debug_barrier()
+    return tl.atomic_add(ticket_ptr, 1) == programs - 1
+
+
 @triton.jit
 def _dense_list_kernel(flags_ptr, rows_ptr, ndense_ptr, M, BLOCK: tl.constexpr):
     """One program: ``rows[0:n]`` = the rows with ``flags != 0`` in increasing order, ``ndense = n``.
@@ -172,16 +190,57 @@ def _dense_list_kernel(flags_ptr, rows_ptr, ndense_ptr, M, BLOCK: tl.constexpr):
     tl.store(ndense_ptr, count)
 
 
-def dense_list(flags: torch.Tensor):
-    """``(rows, n_dense)``: int32 ``[M]`` list of the flagged rows in increasing order (entries past
-    ``n_dense`` are unspecified) and int32 ``[1]`` count, from bool ``flags [M]``. One launch, no
-    host sync (it replaced six tensor ops whose launches cost more host time than their work)."""
+@jit_helper
+def _list_blocks(flags_ptr, blk_ptr, rows_ptr, ndense_ptr, M, N_BLK, BR: tl.constexpr, CB: tl.constexpr,
+                 SUB: tl.constexpr):
+    """``_dense_list_kernel``'s list, in the last program of ``_flag_rows_kernel``, from the flags
+    and the flagged rows per ``BR``-row block (``blk``) its programs stored. ``CB`` block counts
+    are read per step and the flags only of ``SUB`` blocks with a flagged row, so that with none (the
+    usual case) the serial work is one load per ``CB · BR`` rows, and the registers stay those of
+    ``SUB · BR`` flags (a 4096-flag scan took the kernel from 40 to 128 registers)."""
+    offs_b = tl.arange(0, CB)
+    offs_r = tl.arange(0, SUB * BR)
+    count = tl.program_id(0) * 0  # int32 running count
+    for b0 in range(0, N_BLK, CB):
+        c = tl.load(blk_ptr + b0 + offs_b, mask=b0 + offs_b < N_BLK, other=0, cache_modifier=".cg")
+        if tl.max(c, axis=0) > 0:
+            for s0 in range(0, CB, SUB):
+                if tl.max(tl.where((offs_b >= s0) & (offs_b < s0 + SUB), c, 0), axis=0) > 0:
+                    r = (b0 + s0) * BR + offs_r
+                    f = (tl.load(flags_ptr + r, mask=r < M, other=0, cache_modifier=".cg") != 0).to(tl.int32)
+                    pos = count + prefix_sum(f, 0) - f
+                    tl.store(rows_ptr + pos, r, mask=f != 0)
+                    count += reduce_sum(f, 0)
+    tl.store(ndense_ptr, count)
+
+
+class RowList(NamedTuple):
+    """Flagged rows listed on the device: int32 ``rows [M]`` in increasing order (entries past
+    ``n_dense`` unspecified) and their int32 ``[1]`` count ``n_dense``."""
+
+    rows: torch.Tensor
+    n_dense: torch.Tensor
+
+
+def _empty_list(m: int, device) -> RowList:
+    return RowList(torch.empty(max(m, 1), dtype=torch.int32, device=device),
+                   torch.empty(1, dtype=torch.int32, device=device))
+
+
+def dense_list(flags: torch.Tensor) -> RowList:
+    """``RowList`` of the rows flagged in bool ``flags [M]``. One launch, no host sync (it replaced
+    six tensor ops whose launches cost more host time than their work); ``flag_rows(...,
+    with_list=True)`` makes it on the way instead."""
     m = flags.shape[0]
-    rows = torch.empty(max(m, 1), dtype=torch.int32, device=flags.device)
-    n_dense = torch.empty(1, dtype=torch.int32, device=flags.device)
-    launch(_dense_list_kernel, (1,), flags.contiguous().view(torch.uint8), rows, n_dense, m,
-           BLOCK=256 if INTERPRET else 4096, num_warps=8)
-    return rows, n_dense
+    out = _empty_list(m, flags.device)
+    launch(_dense_list_kernel, (1,), flags.contiguous().view(torch.uint8), out.rows, out.n_dense, m,
+           BLOCK=_LIST_BLOCK, num_warps=8)
+    return out
+
+
+# Flags per step of dense_list's scan; flag_rows' list: block counts per step, blocks per scan.
+_LIST_BLOCK = 256 if INTERPRET else 4096
+_LIST_BLOCKS, _LIST_SUB = (8, 2) if INTERPRET else (256, 16)
 
 
 @jit_helper
@@ -202,16 +261,19 @@ def _norm_exceeds(t_ptr, bound_ptr, rows, r_ok, D, stride, BR: tl.constexpr, BK:
 def _flag_rows_kernel(
     # pointers
     a_ptr, a_bound_ptr, b_ptr, b_bound_ptr, count_ptr, flags_ptr, values_ptr, scratch_ptr,
+    ticket_ptr, list_ptr, ndense_ptr,
     # dimensions, row strides (elements)
     M, D, N_TILES, stride_a, stride_b,
     # meta-parameters
     HAS_B: tl.constexpr, HAS_COUNT: tl.constexpr, FLAG_OVERFLOW: tl.constexpr, RECORD: tl.constexpr,
-    MARK: tl.constexpr, FLAG: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr, BR: tl.constexpr,
-    BK: tl.constexpr,
+    MARK: tl.constexpr, LIST: tl.constexpr, FLAG: tl.constexpr, SLOTS: tl.constexpr, NT_P2: tl.constexpr,
+    BR: tl.constexpr, BK: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
 ):
     """``flag_rows`` for rows ``BR·pid ...``: norm tests of ``a`` (and ``b``), overflowed tiles of
     ``count``, this block's share of the call's record (``finish_call``), and with ``MARK`` the
-    flagged rows with no overflowed tile marked overflowed (``count[r, 0] = SLOTS + 1``)."""
+    flagged rows with no overflowed tile marked overflowed (``count[r, 0] = SLOTS + 1``). With
+    ``LIST`` the last program to finish (``ticket [0]``, zeroed) lists every flagged row
+    (``_list_blocks``, from each program's count of them in ``ticket [1 + pid]``)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < M
     rows = r.to(tl.int64)
@@ -232,11 +294,16 @@ def _flag_rows_kernel(
         if FLAG_OVERFLOW:
             flag = dense
     tl.store(flags_ptr + rows, flag.to(tl.uint8), mask=r_ok)
+    if LIST:
+        tl.store(ticket_ptr + 1 + tl.program_id(0), tl.sum((flag & r_ok).to(tl.int32), axis=0))
+        if last_to_arrive(ticket_ptr, tl.num_programs(0)):
+            _list_blocks(flags_ptr, ticket_ptr + 1, list_ptr, ndense_ptr, M, tl.num_programs(0), BR, CB, SUB)
 
 
 def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] = None,
               b_bound: Optional[torch.Tensor] = None, count: Optional[torch.Tensor] = None, *, slots: int = 0,
-              flag_overflow: bool = False, record: Optional[CallRecord] = None, mark: bool = False) -> torch.Tensor:
+              flag_overflow: bool = False, record: Optional[CallRecord] = None, mark: bool = False,
+              with_list: bool = False):
     """bool ``[M]``: the rows to compute densely, in one launch (``reference.flag_rows_ref``).
 
     A row is flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32 norm; NaN and
@@ -245,8 +312,9 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
     call's record (``CallRecord``): ``Σ count`` active entries and the rows flagged or overflowed,
     with no extra launch. ``mark`` (with ``count``): each flagged row with no overflowed tile gets
     ``count[r, 0] = slots + 1`` in place, so that whatever reads the counts next (the sparse
-    kernels, a backward) computes it densely as an overflowed row, with no flags to carry. Bounds
-    are fp32 ``[3]`` device tensors; no host sync.
+    kernels, a backward) computes it densely as an overflowed row, with no flags to carry.
+    ``with_list``: return ``(flags, RowList)``, the list made by the launch's last program
+    (``dense_list``'s, without its launch). Bounds are fp32 ``[3]`` device tensors; no host sync.
     """
     if (b is None) != (b_bound is None):
         raise ValueError("flag_rows: pass b and b_bound together")
@@ -258,25 +326,32 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
     flags = torch.empty(m, dtype=torch.bool, device=a.device)
     if record is not None:
         check_record(record, a.device)
+    listed = _empty_list(m, a.device) if with_list else None
     if m == 0:
         if record is not None:
             record_without_kernel(record, m)
-        return flags
+        if with_list:
+            listed.n_dense.zero_()
+        return (flags, listed) if with_list else flags
     a = rowmajor(a)
     b = a if b is None else rowmajor(b)
     n_tiles = 0 if count is None else count.shape[1]
     cnt = a_bound if count is None else count.contiguous()
     br = 16
-    launch(_flag_rows_kernel, (cdiv(m, br),),
+    programs = cdiv(m, br)
+    # the ticket, then each program's flagged rows (one zeroed buffer: one fill, no view)
+    tickets = torch.zeros(1 + programs, dtype=torch.int32, device=a.device) if with_list else None
+    launch(_flag_rows_kernel, (programs,),
         a, a_bound, b, a_bound if b_bound is None else b_bound, cnt, flags.view(torch.uint8),
         a_bound if record is None else record.values, a_bound if record is None else record.scratch,
+        *((tickets, *listed) if with_list else (a_bound,) * 3),
         m, d, n_tiles, a.stride(0), b.stride(0),
         HAS_B=b_bound is not None, HAS_COUNT=count is not None, FLAG_OVERFLOW=flag_overflow,
-        RECORD=record is not None, MARK=mark, FLAG=0.0 if record is None else float(record.flag), SLOTS=slots,
-        NT_P2=max(2, next_power_of_2(n_tiles)), BR=br, BK=min(256, max(16, next_power_of_2(d))),
-        num_warps=4,
+        RECORD=record is not None, MARK=mark, LIST=with_list, FLAG=0.0 if record is None else float(record.flag),
+        SLOTS=slots, NT_P2=max(2, next_power_of_2(n_tiles)), BR=br, BK=min(256, max(16, next_power_of_2(d))),
+        CB=_LIST_BLOCKS, SUB=_LIST_SUB, num_warps=4,
     )
-    return flags
+    return (flags, listed) if with_list else flags
 
 
 @jit_helper
@@ -312,16 +387,19 @@ def dot_split(c, w, acc, SPLIT: tl.constexpr, NATIVE: tl.constexpr):
 @triton.jit
 def _split_product_kernel(
     # pointers (w2, plane 1: read only when TWO)
-    coef_ptr, w1_ptr, w2_ptr, ndense_ptr, part_ptr,
+    coef_ptr, w1_ptr, w2_ptr, rows_ptr, ndense_ptr, part_ptr, tickets_ptr, bias_ptr, dst_ptr,
     # dimensions (PLANE = R_CAP · H; H_PER: the H columns of one split)
     D, H, R_CAP, PLANE, H_PER,
     # row strides (elements)
-    stride_w1, stride_w2,
+    stride_w1, stride_w2, stride_dst,
     # meta-parameters
-    TWO: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+    TWO: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr, BR: tl.constexpr,
+    BH: tl.constexpr, BD: tl.constexpr,
 ):
     """``part[s, i, dblock] = Σ_{j in split s} coef[0, i, j] · W1[j, dblock] (+ coef[1, i, j] ·
-    W2[j, dblock])`` for the ``BR`` list positions ``i < n_dense`` of this program."""
+    W2[j, dblock])`` for the ``BR`` list positions ``i < n_dense`` of this program; the last split
+    of each ``(i, dblock)`` tile to finish (a ticket per tile) then writes ``dst[rows[i], dblock] =
+    Σ_s part[s, i, dblock] (+ bias)``, summed in split order (deterministic, one rounding)."""
     i0 = tl.program_id(0) * BR
     n_dense = tl.load(ndense_ptr)
     if i0 < n_dense:
@@ -346,33 +424,18 @@ def _split_product_kernel(
                 c2 = tl.load(coef_ptr + PLANE + at, mask=ok, other=0.0)
                 w2 = tl.load(w2_ptr + hc[:, None] * stride_w2 + offs_d[None, :], mask=w_mask, other=0.0)
                 acc = dot_split(c2, w2, acc, SPLIT, NATIVE)
-        part = part_ptr + tl.program_id(2).to(tl.int64) * R_CAP * D
-        tl.store(part + i.to(tl.int64)[:, None] * D + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _split_sum_kernel(
-    part_ptr, rows_ptr, ndense_ptr, bias_ptr, dst_ptr,
-    D, R_CAP, N_SPLIT, stride_dst,
-    HAS_BIAS: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-):
-    """``dst[rows[i], dblock] = Σ_s part[s, i, dblock] (+ bias)``, one rounding, for ``i < n_dense``."""
-    i0 = tl.program_id(0) * BR
-    n_dense = tl.load(ndense_ptr)
-    if i0 < n_dense:
-        i = i0 + tl.arange(0, BR)
-        r_ok = i < n_dense
-        offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-        d_ok = offs_d < D
         ok = r_ok[:, None] & d_ok[None, :]
         at = i.to(tl.int64)[:, None] * D + offs_d[None, :]
-        acc = tl.full((BR, BD), 0.0, tl.float32)
-        for s in range(N_SPLIT):
-            acc += tl.load(part_ptr + s * R_CAP * D + at, mask=ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
-        tl.store(dst_ptr + rows[:, None] * stride_dst + offs_d[None, :], acc.to(dst_ptr.dtype.element_ty), mask=ok)
+        tl.store(part_ptr + tl.program_id(2).to(tl.int64) * R_CAP * D + at, acc, mask=ok)
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if last_to_arrive(tickets_ptr + tile, tl.num_programs(2)):
+            acc = tl.full((BR, BD), 0.0, tl.float32)
+            for s in range(tl.num_programs(2)):
+                acc += tl.load(part_ptr + s * R_CAP * D + at, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            rows = tl.load(rows_ptr + i, mask=r_ok, other=0).to(tl.int64)
+            tl.store(dst_ptr + rows[:, None] * stride_dst + offs_d[None, :], acc.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
 def split_count(h: int, bh: int) -> int:
@@ -387,7 +450,8 @@ def scratch_product(coef: torch.Tensor, rows: torch.Tensor, n_dense: torch.Tenso
     ``coef``: fp32 ``[planes, r_cap, H]`` (``r_cap`` a multiple of ``BR``; planes past
     ``len(weights)`` are not read); ``weights``: one or two ``[H, D]`` tensors with a contiguous
     last dimension; ``dst``: ``[M, D]``, rows not in the list are left alone; ``split``: the
-    ``hi + lo`` products of ``dot_split``. Temporary: fp32 ``[split_count, r_cap, D]``.
+    ``hi + lo`` products of ``dot_split``. One launch: each output tile's last split sums the
+    splits. Temporaries: fp32 ``[split_count, r_cap, D]`` and an int32 ticket per output tile.
     """
     r_cap, h = coef.shape[1], coef.shape[2]
     d = weights[0].shape[1]
@@ -395,12 +459,12 @@ def scratch_product(coef: torch.Tensor, rows: torch.Tensor, n_dense: torch.Tenso
     h_per = cdiv(cdiv(h, n_split), bh) * bh
     n_split = cdiv(h, h_per)
     part = torch.empty(n_split, r_cap, d, dtype=torch.float32, device=coef.device)
+    grid = (r_cap // BR, cdiv(d, bd), n_split)
+    tickets = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=coef.device)
     w1, w2 = weights[0], weights[-1]
-    launch(_split_product_kernel, (r_cap // BR, cdiv(d, bd), n_split),
-        coef, w1, w2, n_dense, part, d, h, r_cap, r_cap * h, h_per, w1.stride(0), w2.stride(0),
-        TWO=len(weights) == 2, SPLIT=split, NATIVE=not INTERPRET, BR=BR, BH=bh, BD=bd, num_warps=warps,
-    )
-    launch(_split_sum_kernel, (r_cap // BR, cdiv(d, bd)),
-        part, rows, n_dense, bias if bias is not None else part, dst, d, r_cap, n_split, dst.stride(0),
-        HAS_BIAS=bias is not None, BR=BR, BD=bd, num_warps=4,
+    launch(_split_product_kernel, grid,
+        coef, w1, w2, rows, n_dense, part, tickets, bias if bias is not None else part, dst,
+        d, h, r_cap, r_cap * h, h_per, w1.stride(0), w2.stride(0), dst.stride(0),
+        TWO=len(weights) == 2, SPLIT=split, NATIVE=not INTERPRET, HAS_BIAS=bias is not None, BR=BR, BH=bh, BD=bd,
+        num_warps=warps,
     )

@@ -37,7 +37,8 @@ Kernels:
   0.610 with up values stored (0.465 → 0.427 at 0.3%), bitwise the same output. Two pairs per
   loop iteration, with one reduction for both up dot products (half the CTA barriers), compiled
   to as many instructions per pair and ran 8–20% slower: not kept.
-* the whole-dense rows, from their list (``dense_rows.dense_list`` of the flags the sparse kernel
+* the whole-dense rows, from their list (made by the guard's ``dense_rows.flag_rows`` when the
+  caller passes ``row_list``, else by ``dense_rows.dense_list`` of the flags the sparse kernel
   writes; no host sync). The first ``r_cap`` list positions (288 at D=2048, H=5632: a 32 MiB
   scratch budget, or 2% of the rows if more; ``dense_rows.scratch_capacity``):
   ``_dense_hidden_kernel`` writes their ``h`` as fp32 ``[16, BH]`` tiles from ``tl.dot`` over D,
@@ -95,8 +96,8 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, column_mask, dense_list, dot, dot_split, jit_helper,
-                         reduce_sum, rowmajor, scratch_capacity, scratch_product, split_count)
+from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, RowList, column_mask, dense_list, dot, dot_split,
+                         jit_helper, reduce_sum, rowmajor, scratch_capacity, scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .gate_pack import overflow_threshold
 from .launch import cdiv, launch, next_power_of_2
@@ -328,7 +329,7 @@ def _sparse_ffn_kernel(
     stride_xm, stride_wu, stride_wdt, stride_om,
     # meta-parameters
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    STORE_UP: tl.constexpr, SLOTS: tl.constexpr,
+    STORE_UP: tl.constexpr, STORE_WHOLE: tl.constexpr, SLOTS: tl.constexpr,
     NT_P2: tl.constexpr, BLOCK_D: tl.constexpr, OVF: tl.constexpr, TOKENS: tl.constexpr,
     BITS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr,
 ):
@@ -337,8 +338,8 @@ def _sparse_ffn_kernel(
     x ``[M, D]``; wu ``[H, D]``; wdt ``[H, D]`` (= Wdᵀ); biases ``[H]``/``[D]``; TwELL
     ``idx``/``val`` ``[M, N_TILES, SLOTS]`` and ``count [M, N_TILES]``; dense bool ``[M]``;
     out ``[M, D]``. A row is whole-dense when ``dense[t]`` or one of its tiles overflows
-    (``count > SLOTS``); ``whole [M]`` (uint8) receives that flag, and the dense-row kernels write
-    those rows.
+    (``count > SLOTS``); with ``STORE_WHOLE``, ``whole [M]`` (uint8) receives that flag; the
+    dense-row kernels write those rows.
     With STORE_UP, ``up [M, N_TILES, SLOTS]`` fp32 (zeroed by the caller) receives the up value of
     each stored pair of a row with no overflowed tile and no dense flag.
     """
@@ -356,7 +357,8 @@ def _sparse_ffn_kernel(
             cnt = tl.load(count_ptr + t64 * N_TILES + tiles, mask=t_ok, other=0)
             n_over = tl.sum((cnt > SLOTS).to(tl.int32), axis=0)
             sparse_row = (tl.load(dense_ptr + t64) == 0) & (n_over == 0)
-            tl.store(whole_ptr + t64, (sparse_row == 0).to(tl.uint8))
+            if STORE_WHOLE:
+                tl.store(whole_ptr + t64, (sparse_row == 0).to(tl.uint8))
             slot0 = t64 * N_TILES * SLOTS  # first slot of this token's TwELL row
 
             if sparse_row:
@@ -551,6 +553,7 @@ def sparse_ffn(
     layout: TwellLayout = DEFAULT_LAYOUT,
     return_up: bool = False,
     dense_scratch_rows: Optional[int] = None,
+    row_list: Optional[RowList] = None,
 ):
     """The FFN output from its packed gate (gated) or packed up pre-activation (plain).
 
@@ -578,6 +581,10 @@ def sparse_ffn(
         dense_scratch_rows: whole-dense rows computed through the fp32 ``h`` scratch (default: a
             32 MiB budget); rows past it go to the blocked dense kernel (exact, slower when they
             are few). Tests use small values.
+        row_list: the whole-dense rows already listed on the device, ``dense_rows`` or-ed with
+            the rows that have an overflowed tile (``dense_rows.flag_rows(..., flag_overflow=True,
+            with_list=True)`` makes both): the kernel then does not flag them again, and the list
+            takes no launch of its own. A row left out of it gets no output.
 
     Returns:
         ``out [M, D]``, or ``(out, up_val)`` with ``return_up``.
@@ -595,6 +602,11 @@ def sparse_ffn(
     n_tiles, slots = layout.n_tiles(h), layout.slots
     if dense_rows is not None:
         check_tensor("dense_rows", dense_rows, (m,), (torch.bool,), dev)
+    if row_list is not None:
+        if dense_rows is None:
+            raise ValueError("row_list needs the dense_rows it lists")
+        check_tensor("row_list.rows", row_list.rows, (max(m, 1),), (torch.int32,), dev)
+        check_tensor("row_list.n_dense", row_list.n_dense, (1,), (torch.int32,), dev)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be one of {[str(t) for t in _DTYPES]}, got {out_dtype}")
@@ -633,20 +645,21 @@ def sparse_ffn(
 
     # 3. Launch: sparse rows, then the whole-dense rows it flags (the kernels write disjoint rows).
     block_d = max(16, next_power_of_2(d))
-    whole = torch.empty(m, dtype=torch.bool, device=dev)
+    whole = torch.empty(m, dtype=torch.bool, device=dev) if row_list is None else dense_rows
     launch(_sparse_ffn_kernel, lambda meta: (cdiv(m, meta["TOKENS"]),),
         x, wu, bu_, wdt, bd_, idx, val, count, dense_rows, out, up_val if store_up else dummy,
         whole.view(torch.uint8), m, d, h, n_tiles, x.stride(0), wu.stride(0), wdt.stride(0), out.stride(0),
-        GATED=gated, HAS_BU=bu is not None, HAS_BD=bd is not None, STORE_UP=store_up, SLOTS=slots,
-        NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf, BITS=bit_walk(nt_p2), PAIRS=paired(x, wu, wdt),
+        GATED=gated, HAS_BU=bu is not None, HAS_BD=bd is not None, STORE_UP=store_up, STORE_WHOLE=row_list is None,
+        SLOTS=slots, NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf, BITS=bit_walk(nt_p2), PAIRS=paired(x, wu, wdt),
     )
     if d > 0:
-        _launch_whole_dense(whole, *weights, out, strides, flags, ovf, dense_scratch_rows)
+        listed = dense_list(whole) if row_list is None else row_list
+        _launch_whole_dense(listed, *weights, out, strides, flags, ovf, dense_scratch_rows)
     return (out, up_val) if return_up else out
 
 
-def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, ovf, scratch_rows) -> None:
-    """``out`` of the rows flagged in ``whole``, from their list on the device (no host sync).
+def _launch_whole_dense(listed, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, ovf, scratch_rows) -> None:
+    """``out`` of the listed rows (``RowList``, made on the device: no host sync).
 
     The first ``r_cap`` list positions: ``h`` into an fp32 scratch (one ``[16, BH]`` tile per
     program), then ``dense_rows.scratch_product`` (H split over programs). Positions past
@@ -654,7 +667,7 @@ def _launch_whole_dense(whole, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, 
     """
     m, d = out.shape
     h = wu.shape[0]
-    rows, n_dense = dense_list(whole)
+    rows, n_dense = listed
     native = x.dtype != torch.float32 and not INTERPRET
     split = x.element_size() == 2  # h is already clipped to the input dtype's overflow points
     bh, bk, bd_blk, warps = _SCRATCH_TILES_INTERPRET if INTERPRET else _SCRATCH_TILES[x.element_size()]

@@ -107,8 +107,8 @@ import triton
 import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_tensor
-from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, column_mask, dense_list, dot, dot_split, jit_helper,
-                         rowmajor, scratch_capacity, scratch_product)
+from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, RowList, column_mask, dense_list, dot, dot_split,
+                         jit_helper, rowmajor, scratch_capacity, scratch_product)
 from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .launch import cdiv, launch, next_power_of_2
@@ -869,6 +869,7 @@ def sparse_ffn_backward(
     layout: TwellLayout = DEFAULT_LAYOUT,
     dense_scratch_rows: Optional[int] = None,
     dense_wgrad_gemm: bool = False,
+    row_list: Optional[RowList] = None,
 ) -> Grads:
     """Gradients of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|`` for a TwELL FFN.
 
@@ -899,6 +900,8 @@ def sparse_ffn_backward(
             neuron. Faster from a few dense rows on (``DENSE_WGRAD_GEMM_ROWS``), for that memory.
             The caller guesses, e.g. from the previous call's dense rows: either way the result is
             the same up to fp32 summation order (and the ``hi + lo`` split of bf16 coefficients).
+        row_list: ``dense_rows`` already listed on the device (``dense_rows.flag_rows(...,
+            with_list=True)``); otherwise listed here, one launch.
 
     Returns:
         ``reference.Grads`` in the input dtypes, each contiguous. ``dwd`` is made from the ``[H, D]``
@@ -919,6 +922,9 @@ def sparse_ffn_backward(
     if gated:
         check_tensor("up_val", up_val, (m, n_tiles, slots), (torch.float32,), dev)
     check_tensor("dense_rows", dense_rows, (m,), (torch.bool,), dev)
+    if row_list is not None:
+        check_tensor("row_list.rows", row_list.rows, (max(m, 1),), (torch.int32,), dev)
+        check_tensor("row_list.n_dense", row_list.n_dense, (1,), (torch.int32,), dev)
     if not isinstance(l1_scale, torch.Tensor) or l1_scale.numel() != 1 or not l1_scale.is_floating_point():
         raise ValueError(f"l1_scale must be a 0-d float tensor, got {getattr(l1_scale, 'shape', type(l1_scale).__name__)}")
     if l1_scale.device != dev:
@@ -955,7 +961,7 @@ def sparse_ffn_backward(
     dh = torch.empty(m, n_tiles, slots, dtype=torch.float32, device=dev)
 
     nptr, lists, order = neuron_major(TwellPacked(idx, val, count), dense_rows, h, layout=layout)
-    rows, n_dense = dense_list(dense_rows)
+    rows, n_dense = dense_list(dense_rows) if row_list is None else row_list
     planes = 3 if gated else 2
     m_pad = cdiv(m, BR) * BR
     # The coefficients [planes, r_cap, H] only (496 rows at H=5632, or 2% of M if more); the split

@@ -385,12 +385,13 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
 
     gated = wg is not None
     packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
-    guard = _guard_rows(x2d, wg, wu, wd, bg, bu, bd, packed.count, record, keep=keep)
+    whole, listed = _guard_rows(x2d, wg, wu, wd, bg, bu, bd, packed.count, record, keep=keep)
     wd_rows = _DownRows.get(wd, keep=keep)
+    rows = dict(dense_rows=whole, row_list=listed, wg=wg, bg=bg)
     if training:  # the backward needs the up values at the stored pairs
-        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, dense_rows=guard, wg=wg, bg=bg, return_up=True)
+        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows, return_up=True)
     else:
-        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, dense_rows=guard, wg=wg, bg=bg), None
+        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows), None
     dense_rows = l1 = None
     if want_l1:
         dense_rows = packed.overflow_rows()  # the guard's rows are marked overflowed
@@ -411,21 +412,21 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     from twell_compile.kernels.sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS, sparse_ffn_backward
 
     keep = layer not in _CUDA_GRAPH_LAYERS
-    dense_rows = _backward_guard_rows(dout2d, wg, wu, wd, bg, bu, bd, packed, keep=keep)
+    dense_rows, listed = _backward_guard_rows(dout2d, wg, wu, wd, bg, bu, bd, packed, keep=keep)
     # The dense rows' weight gradients as GEMMs (an fp32 [planes, H, D] buffer) when the layer's
     # last measured call had enough of them; the same result either way.
     policy = None if layer is None else _policy(layer, x2d.device, create=False)
     gemm = policy is not None and policy.expects_dense_rows(x2d.shape[0], DENSE_WGRAD_GEMM_ROWS)
     args = (dout2d, x2d, wg, wu, _DownRows.get(wd, keep=keep), bg, bu, bd, packed, up_val, dense_rows, l1_scale)
-    grads = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
+    grads = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm, row_list=listed)
     signature = ("backward", *_signature(x2d, wg, wu, bg, bu, bd, True))
     if not _capturing() and signature not in _WARM:
-        _tune_other_wgrad(args, gemm)
+        _tune_other_wgrad(args, gemm, listed)
         _WARM.add(signature)
     return grads
 
 
-def _tune_other_wgrad(args: tuple, gemm: bool) -> None:
+def _tune_other_wgrad(args: tuple, gemm: bool, listed) -> None:
     """Run the problem's first sparse backward once more with the other weight-gradient variant
     (with or without the dense rows' GEMM buffer), result discarded, so that both are compiled and
     tuned at the start. Each variant tunes on its first call: on the H200 at the 2B shape 4.5 and
@@ -434,7 +435,7 @@ def _tune_other_wgrad(args: tuple, gemm: bool) -> None:
     from twell_compile.kernels.sparse_ffn_bwd import sparse_ffn_backward
 
     try:
-        sparse_ffn_backward(*args, dense_wgrad_gemm=not gemm)
+        sparse_ffn_backward(*args, dense_wgrad_gemm=not gemm, row_list=listed)
     except torch.cuda.OutOfMemoryError:
         pass
 
@@ -515,11 +516,11 @@ class _WeightFacts:
         return facts
 
 
-def _guard_rows(x, wg, wu, wd, bg, bu, bd, count, record=None, *, keep: bool = True) -> torch.Tensor:
-    """bool [M]: rows the forward computes densely besides those with an overflowed tile, in one kernel that
-    reads x once (``dense_rows.flag_rows``), which also marks them overflowed in ``count`` (where
-    the backward finds them) and stores the call's ``record``: its active entries (the counts as
-    packed) and dense rows (guard or overflow).
+def _guard_rows(x, wg, wu, wd, bg, bu, bd, count, record=None, *, keep: bool = True):
+    """``(bool [M], RowList)``: the rows the forward computes densely (the guard's, and those with
+    an overflowed tile) and their list, in one kernel that reads x once (``dense_rows.flag_rows``),
+    which also marks the guard's rows overflowed in ``count`` (where the backward finds them) and
+    stores the call's ``record``: its active entries (the counts as packed) and dense rows.
 
     A non-finite row has a non-finite norm, and for gated FFNs ``‖x_t‖·max‖Wu_j‖ + max|bu|``
     bounds the up projection (a huge finite row is flagged too, which only costs speed).
@@ -527,15 +528,17 @@ def _guard_rows(x, wg, wu, wd, bg, bu, bd, count, record=None, *, keep: bool = T
     from twell_compile.kernels.dense_rows import flag_rows
 
     forward_bound, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
-    return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record, mark=True)
+    return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record, mark=True,
+                     flag_overflow=True, with_list=True)
 
 
-def _backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, keep: bool = True) -> torch.Tensor:
-    """bool [M]: backward dense rows, in one kernel: rows with an overflowed tile (which include the
+def _backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, keep: bool = True):
+    """``(bool [M], RowList)``: backward dense rows and their list, in one kernel: rows with an overflowed tile (which include the
     rows the forward's guard sent dense, marked in the counts by ``_guard_rows``, and every row of
     a dense forward), and rows of ``dout`` that are non-finite or, gated, whose ``dh =
     dout·Wd`` may overflow."""
     from twell_compile.kernels.dense_rows import flag_rows
 
     _, backward_bound = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
-    return flag_rows(dout, backward_bound, count=packed.count, slots=DEFAULT_LAYOUT.slots, flag_overflow=True)
+    return flag_rows(dout, backward_bound, count=packed.count, slots=DEFAULT_LAYOUT.slots, flag_overflow=True,
+                     with_list=True)

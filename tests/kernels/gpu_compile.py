@@ -47,7 +47,7 @@ D, SLOTS, TILE_N, NT_P2 = 2048, 16, 128, 64
 
 # Pointer arguments that are not of the FFN's dtype (the rest are).
 F32 = {"val_ptr", "up_ptr", "coef_ptr", "hid_ptr", "part_ptr", "psum_ptr", "dh_ptr", "scale_ptr"}
-I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr"}
+I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr", "ticket_ptr", "tickets_ptr"}
 U8 = {"whole_ptr"}
 # Integer arguments that are multiples of 16 at the benchmark shape (M = 16384, D, H).
 _SIXTEEN_SIZES = {"M", "D", "H", "K", "N"}
@@ -165,17 +165,17 @@ def variants(arch: str, full: bool):
             yield f"split_product {tag} two={two} split={split}", (
                 lambda dtype=dtype, two=two, split=split, bh=bh, bd=bd, warps=warps: compile_kernel(
                     DR._split_product_kernel, target, dtype,
-                    dict(TWO=two, SPLIT=split, NATIVE=True, BR=DR.BR, BH=bh, BD=bd), num_warps=warps))
-        yield f"split_sum {tag}", (lambda dtype=dtype, bd=bd: compile_kernel(
-            DR._split_sum_kernel, target, dtype, dict(HAS_BIAS=True, BR=DR.BR, BD=bd)))
+                    dict(TWO=two, SPLIT=split, NATIVE=True, HAS_BIAS=not two, BR=DR.BR, BH=bh, BD=bd),
+                    {"bias_ptr": f"*{TY[dtype]}", "dst_ptr": f"*{TY[dtype]}"}, num_warps=warps))
         yield "dense_list", (lambda: compile_kernel(DR._dense_list_kernel, target, torch.float32,
                                                     {"BLOCK": 4096}, {"flags_ptr": "*u8"}, num_warps=8))
         # The forward guard (records, marks the counts); the backward's on dout; on x and dout (the API's).
         for backward, has_b in ((False, False), (True, False), (True, True)):
             yield f"flag_rows {tag} backward={backward} b={has_b}", (lambda dtype=dtype, backward=backward, has_b=has_b: compile_kernel(
                 DR._flag_rows_kernel, target, dtype,
-                dict(HAS_B=has_b, HAS_COUNT=True, FLAG_OVERFLOW=backward, RECORD=not backward, MARK=not backward,
-                     FLAG=1.0, SLOTS=SLOTS, NT_P2=NT_P2, BR=16, BK=256),
+                dict(HAS_B=has_b, HAS_COUNT=True, FLAG_OVERFLOW=True, RECORD=not backward, MARK=not backward,
+                     LIST=not has_b, FLAG=1.0, SLOTS=SLOTS, NT_P2=NT_P2, BR=16, BK=256, CB=DR._LIST_BLOCKS,
+                     SUB=DR._LIST_SUB),
                 {"a_bound_ptr": "*fp32", "b_bound_ptr": "*fp32", "flags_ptr": "*u8", "values_ptr": "*fp64",
                  "scratch_ptr": "*i64"}))
 

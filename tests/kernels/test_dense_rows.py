@@ -1,6 +1,7 @@
 """kernels/dense_rows.py: the device-built list of dense rows and the split scratch product.
 
-Oracles: ``torch.nonzero`` for the list; ``coef @ W (+ bias)`` in float64 for the product, for
+Oracles: ``torch.nonzero`` for the lists (``dense_list``, and ``flag_rows``' last program's); ``coef @
+W (+ bias)`` in float64 for the product (each output tile summed by its last split), for
 every list position below ``n_dense``, with rows outside the list left untouched. (The forward and
 backward kernel tests cover both pieces again inside ``sparse_ffn`` and ``sparse_ffn_backward``.)
 """
@@ -30,11 +31,49 @@ def test_dense_list_is_the_flagged_rows_in_order(m, rate, seed):
     """Any M, with no, few, many or all rows flagged."""
     gen = torch.Generator().manual_seed(seed)
     flags = (torch.rand(m, generator=gen) < rate).to(DEV)
-    rows, n_dense = DR.dense_list(flags)
-    expected = torch.nonzero(flags).flatten().to(torch.int32)
-    assert n_dense.dtype == torch.int32 and n_dense.shape == (1,)
-    assert n_dense.item() == expected.numel()
-    assert torch.equal(rows[: expected.numel()], expected)
+    _assert_lists(DR.dense_list(flags), flags)
+
+
+def _assert_lists(listed, flags):
+    """``listed`` (a ``RowList``) holds exactly the rows ``flags`` sets, in increasing order."""
+    expected = torch.nonzero(flags.cpu()).flatten().to(torch.int32)
+    assert listed.n_dense.dtype == torch.int32 and listed.n_dense.shape == (1,)
+    assert listed.n_dense.item() == expected.numel()
+    assert torch.equal(listed.rows[: expected.numel()].cpu(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_lists_and_split_sums_by_the_last_program_at_scale():
+    """The last program of a launch (a ticket) reads what every other program stored: many
+    programs running at once, with every other row, a few rows or none flagged, several times
+    over; and the split product's per-tile sums over 16 splits, against the two-launch form."""
+    gen = torch.Generator().manual_seed(11)
+    m, d = 65536, 64
+    a = torch.randn(m, d, generator=gen).cuda()
+    limit = float(torch.finfo(torch.float32).max)
+    for rep, rate in enumerate((0.5, 0.003, 1e-5, 0.0) * 3):
+        flagged = torch.rand(m, generator=gen) < rate
+        a[flagged.cuda(), 0] = float("nan")
+        a[~flagged.cuda(), 0] = 1.0
+        flags, listed = DR.flag_rows(a, torch.tensor([0.0, 0.0, limit], device="cuda"), with_list=True)
+        assert torch.equal(flags.cpu(), flagged), rep
+        _assert_lists(listed, flagged)
+    h, d, r_cap = 4096, 512, 256
+    flags = torch.zeros(r_cap + 40, dtype=torch.bool)
+    flags[torch.randperm(r_cap + 40, generator=gen)[:200]] = True
+    rows, n_dense = DR.dense_list(flags.cuda())
+    coef = torch.randn(2, r_cap, h, generator=gen).cuda()
+    weights = [torch.randn(h, d, generator=gen).cuda() for _ in range(2)]
+    bias = torch.randn(d, generator=gen).cuda()
+    assert DR.split_count(h, 16) == 16
+    for _ in range(3):
+        dst = torch.zeros(r_cap + 40, d, device="cuda")
+        DR.scratch_product(coef, rows, n_dense, weights, dst, bias, split=False, bh=16, bd=64, warps=4)
+        listed = torch.nonzero(flags).flatten()
+        ref = sum(coef[p, : len(listed)].double() @ w.double() for p, w in enumerate(weights)) + bias.double()
+        assert torch.allclose(dst[listed.cuda()].double(), ref, rtol=1e-5, atol=1e-3)
+        assert not dst[~flags.cuda()].any()
 
 
 @pytest.mark.parametrize("two, split, dtype", [(True, False, torch.float32), (False, False, torch.float32),
@@ -102,11 +141,13 @@ def test_flag_rows_matches_reference(m, d, n_tiles, two, dtype, special, gated, 
                            torch.zeros(3, dtype=torch.int64, device=DEV), 1.0)
     dev_args = [t if t is None else t.to(DEV) for t in args]
     for calls in (5.0, 6.0):  # the scratch is left zeroed for the next call
-        got = DR.flag_rows(*dev_args, count=count.to(DEV), slots=slots, flag_overflow=overflow, record=record)
+        got, listed = DR.flag_rows(*dev_args, count=count.to(DEV), slots=slots, flag_overflow=overflow, record=record,
+                                   with_list=True)
         assert record.values.tolist() == [calls, m, want_active.item(), want_dense.item(), 1.0]
         assert record.scratch.tolist() == [0, 0, 0]
     assert got.dtype == torch.bool and got.shape == (m,)
     assert torch.equal(got.cpu(), want)
+    _assert_lists(listed, want)
     assert torch.equal(DR.flag_rows(*dev_args).cpu(), R.flag_rows_ref(*args)[0])  # norms only
     # Marks: each flagged row with no overflowed tile gets count[r, 0] = slots + 1, nothing else
     # changes, and the record counts the counts as they were.
@@ -161,7 +202,9 @@ def test_guard_bounds_flag_what_the_reference_guard_flags():
     for gated in (True, False):
         w = (wg if gated else None, wu, wd, None, bu, None)
         fwd, bwd = W.guard_bounds(*(t if t is None else t.to(DEV) for t in w))
-        ours = DR.flag_rows(x.to(DEV), fwd).cpu()
+        ours, listed = DR.flag_rows(x.to(DEV), fwd, with_list=True)
+        _assert_lists(listed, ours)
+        ours = ours.cpu()
         ref = R.dense_rows_ref(x, *w, packed) & no_overflow
         assert bool((ours | ~ref).all()) and ours[[2, 5]].all() and not ours[[0, 1, 3]].any()
         assert bool(ours[7]) == gated

@@ -100,10 +100,12 @@ def test_backward_guard_adds_dout_rows_to_the_forwards_dense_rows():
     _, res = _forward_dense_rows(x, wg, wu, wd, bg, bu, bd)
     dout = torch.randn_like(x)
     dout[3, 2] = float("nan")
-    got = cuda_impl._backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, res.packed)
+    got, listed = cuda_impl._backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, res.packed)
     ref = R.backward_dense_rows_ref(dout, x, wg, wu, wd, bg, bu, bd, R.gate_pack_ref(x, wg, bg))
     assert bool((got | ~ref).all())
     assert got[3] and got[5]
+    rows = torch.nonzero(got).flatten().to(torch.int32)
+    assert listed.n_dense.item() == rows.numel() and torch.equal(listed.rows[: rows.numel()], rows)
 
 
 # The dense path and its saved activations are plain torch too.
