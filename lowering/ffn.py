@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import impl
 from .checks import check_ffn_args
-from .ffn_bwd import ffn_bwd
+from .ffn_bwd import backward_grads
 from .ffn_train import ffn_train, present_grads
 
 
@@ -68,7 +68,7 @@ def _backward(ctx, dout):
     x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors
     zero = torch.zeros((), dtype=torch.float32, device=x.device)
     _, idx, val, count, up_val = ffn_train(x, wg, wu, wd, bg, bu, bd, zero, 1, ctx.layer)
-    grads = ffn_bwd(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, zero, 1, ctx.layer)
+    grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, zero, 1, ctx.layer)
     return (*present_grads(grads, (wg, bg, bu, bd)), None)
 
 

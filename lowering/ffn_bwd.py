@@ -51,6 +51,11 @@ def ffn_bwd(
         One gradient per tensor input; an absent weight or bias gets an empty ``[0]`` tensor
         (ops cannot return None).
     """
+    return _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer)
+
+
+def _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer):
+    """``twell::ffn_bwd``'s implementation."""
     check_ffn_args(x, wg, wu, wd, bg, bu, bd)
     check_l1_args(x, l1_coeff, n_layers)
     check_dout(dout, x)
@@ -67,6 +72,26 @@ def ffn_bwd(
         return x.new_empty(_EMPTY) if t is None else t.contiguous()
 
     return (grads.dx.reshape(x.shape), out(grads.dwg), out(grads.dwu), out(grads.dwd), out(grads.dbg), out(grads.dbu), out(grads.dbd))
+
+
+def backward_grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer):
+    """``torch.ops.twell.ffn_bwd(...)`` for the training ops' autograd. In plain eager mode (real
+    tensors, no dispatch mode, no functorch transform, grad mode off) it calls the implementation directly: the
+    op's dispatch cost ~50 µs of host time per call on the H200's hosts (docs/benchmarks.md,
+    session 21), in the gap between a step's forward and backward, where the GPU waits for it.
+    Traced (torch.compile, make_fx, fake tensors), it is the op, so graphs still record it."""
+    args = (dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer)
+    if _plain_eager(args):
+        return _grads(*args)
+    return ffn_bwd(*args)
+
+
+def _plain_eager(args) -> bool:
+    """Real tensors, nothing tracing or transforming, and grad mode off (with ``create_graph=True``
+    the op raises the double-backward error it registers)."""
+    return (not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active()
+            and all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor)))
 
 
 @ffn_bwd.register_fake

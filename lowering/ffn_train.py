@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import impl
 from .checks import check_ffn_args, check_l1_args
-from .ffn_bwd import ffn_bwd
+from .ffn_bwd import backward_grads
 
 
 @torch.library.custom_op("twell::ffn_train", mutates_args=(), tags=(torch.Tag.needs_contiguous_strides,))
@@ -96,7 +96,8 @@ def _backward(ctx, dout, _didx, _dval, _dcount, _dup):
     x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff = ctx.saved_tensors
     if dout is None:  # no gradient reached out (grads are not materialised); the L1 term still has one
         dout = torch.zeros_like(x)
-    grads = ffn_bwd(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, ctx.n_layers, ctx.layer)
+    grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, ctx.n_layers,
+                           ctx.layer)
     return (*present_grads(grads, (wg, bg, bu, bd)), None, None, None)
 
 
