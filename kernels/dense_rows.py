@@ -11,9 +11,9 @@ into an fp32 scratch ``[planes, r_cap, H]``, one ``[16, BH]`` tile per program. 
 the scratch into rows of the output: ``dst[rows[i]] = Σ_planes coef[p, i, :] @ W_p (+ bias)``.
 
 H is split over programs, then the last split of each output tile to finish sums the splits in a
-fixed order (deterministic, one writer per output element). Before the split, the H200 took milliseconds for a single dense row at
-D = 2048, H = 5632: a handful of programs each looped over all of H (4.7 ms in the backward, 1.5 ms
-in the forward); split, it takes tens of microseconds.
+fixed order (deterministic, one writer per output element). Before the split, the H200 took
+milliseconds for a single dense row at D = 2048, H = 5632: a handful of programs each looped over
+all of H (4.7 ms in the backward, 1.5 ms in the forward); split, it takes tens of microseconds.
 
 It also holds the small helpers the kernel files share: ``jit_helper``, ``rowmajor``,
 ``reduce_sum``/``prefix_sum`` (interpreter-friendly reductions), ``dot`` and ``dot_split``, and

@@ -533,10 +533,10 @@ def _guard_rows(x, wg, wu, wd, bg, bu, bd, count, record=None, *, keep: bool = T
 
 
 def _backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, keep: bool = True):
-    """``(bool [M], RowList)``: backward dense rows and their list, in one kernel: rows with an overflowed tile (which include the
-    rows the forward's guard sent dense, marked in the counts by ``_guard_rows``, and every row of
-    a dense forward), and rows of ``dout`` that are non-finite or, gated, whose ``dh =
-    dout·Wd`` may overflow."""
+    """``(bool [M], RowList)``: backward dense rows and their list, in one kernel: rows with an
+    overflowed tile (which include the rows the forward's guard sent dense, marked in the counts by
+    ``_guard_rows``, and every row of a dense forward), and rows of ``dout`` that are non-finite
+    or, gated, whose ``dh = dout·Wd`` may overflow."""
     from twell_compile.kernels.dense_rows import flag_rows
 
     _, backward_bound = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)

@@ -96,8 +96,8 @@ def _backward(ctx, dout, _didx, _dval, _dcount, _dup):
     x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff = ctx.saved_tensors
     if dout is None:  # no gradient reached out (grads are not materialised); the L1 term still has one
         dout = torch.zeros_like(x)
-    grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, ctx.n_layers,
-                           ctx.layer)
+    grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff,
+                           ctx.n_layers, ctx.layer)
     return (*present_grads(grads, (wg, bg, bu, bd)), None, None, None)
 
 
