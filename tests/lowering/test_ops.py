@@ -338,6 +338,47 @@ def test_zero_tokens(gated, lead):
             assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any(), name
 
 
+def test_eager_backward_calls_the_implementation_and_traced_ones_the_op(monkeypatch):
+    """Eager autograd skips ``twell::ffn_bwd``'s dispatch (host time); tracing (fake tensors, as
+    ``torch.compile``'s AOTAutograd uses), grad mode and functorch transforms still go through
+    the op, so graphs record it and double backward is refused. Both paths give the same grads."""
+    import importlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FB = importlib.import_module("twell_compile.lowering.ffn_bwd")  # the module (the package exports the op)
+
+    args = make_args(True, True, torch.float64, requires_grad=True)
+    x = args[0]
+    calls = []
+    original = FB.ffn_bwd
+    monkeypatch.setattr(FB, "ffn_bwd", lambda *a: calls.append(1) or original(*a))
+    out = ops.ffn_train(*args, torch.tensor(1e-3), 1, 0)[0]
+    out.sum().backward()
+    assert not calls, "eager backward went through the op"
+    eager = [t.grad.clone() for t in args if t is not None]
+    real = x.detach()
+    assert FB._plain_eager((real,)) is False  # grad mode is on here
+    with torch.no_grad():
+        assert FB._plain_eager((real, 1)) is True
+        mode = FakeTensorMode()
+        assert FB._plain_eager((mode.from_tensor(real),)) is False  # a tensor subclass
+        with mode:
+            assert FB._plain_eager((real,)) is False  # a dispatch mode is on
+        seen = []
+        torch.func.vmap(lambda t: seen.append(FB._plain_eager((t,))) or t)(real)
+        assert seen == [False]  # a functorch transform is on
+    for t in args:
+        if t is not None:
+            t.grad = None
+    out = ops.ffn_train(*args, torch.tensor(1e-3), 1, 0)[0]
+    monkeypatch.setattr(FB, "_plain_eager", lambda a: False)
+    out.sum().backward()
+    assert calls, "with the eager shortcut off, the backward calls the op"
+    for a, b in zip(eager, [t.grad for t in args if t is not None]):
+        assert torch.equal(a, b)
+
+
 def test_double_backward_is_refused():
     args = make_args(False, False, torch.float64, requires_grad=True)
     out = ops.ffn_train(*args, torch.tensor(0.0), 1, 0)[0]
