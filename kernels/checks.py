@@ -61,3 +61,10 @@ def check_packed(packed, m: int, h: int, layout: TwellLayout, device: torch.devi
     check_tensor("packed.idx", packed.idx, (m, n_tiles, slots), (torch.int32,), device)
     check_tensor("packed.val", packed.val, (m, n_tiles, slots), (torch.float32,), device)
     check_tensor("packed.count", packed.count, (m, n_tiles), (torch.int32,), device)
+
+
+def check_row_list(row_list, m: int, device: torch.device) -> None:
+    """``row_list`` is a ``dense_rows.RowList`` of ``m`` rows: int32 ``rows [max(m, 1)]`` and int32
+    ``n_dense [1]`` on ``device``."""
+    check_tensor("row_list.rows", row_list.rows, (max(m, 1),), (torch.int32,), device)
+    check_tensor("row_list.n_dense", row_list.n_dense, (1,), (torch.int32,), device)

@@ -95,7 +95,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .checks import check_ffn_operands, check_packed, check_tensor
+from .checks import check_ffn_operands, check_packed, check_row_list, check_tensor
 from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, RowList, column_mask, dense_list, dot, dot_split,
                          jit_helper, reduce_sum, rowmajor, scratch_capacity, scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
@@ -605,8 +605,7 @@ def sparse_ffn(
     if row_list is not None:
         if dense_rows is None:
             raise ValueError("row_list needs the dense_rows it lists")
-        check_tensor("row_list.rows", row_list.rows, (max(m, 1),), (torch.int32,), dev)
-        check_tensor("row_list.n_dense", row_list.n_dense, (1,), (torch.int32,), dev)
+        check_row_list(row_list, m, dev)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be one of {[str(t) for t in _DTYPES]}, got {out_dtype}")

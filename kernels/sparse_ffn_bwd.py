@@ -106,7 +106,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_ffn_operands, check_packed, check_tensor
+from .checks import check_ffn_operands, check_packed, check_row_list, check_tensor
 from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, RowList, column_mask, dense_list, dot, dot_split,
                          jit_helper, rowmajor, scratch_capacity, scratch_product)
 from .dense_rows import reduce_sum as _sum
@@ -923,8 +923,7 @@ def sparse_ffn_backward(
         check_tensor("up_val", up_val, (m, n_tiles, slots), (torch.float32,), dev)
     check_tensor("dense_rows", dense_rows, (m,), (torch.bool,), dev)
     if row_list is not None:
-        check_tensor("row_list.rows", row_list.rows, (max(m, 1),), (torch.int32,), dev)
-        check_tensor("row_list.n_dense", row_list.n_dense, (1,), (torch.int32,), dev)
+        check_row_list(row_list, m, dev)
     if not isinstance(l1_scale, torch.Tensor) or l1_scale.numel() != 1 or not l1_scale.is_floating_point():
         raise ValueError(f"l1_scale must be a 0-d float tensor, got {getattr(l1_scale, 'shape', type(l1_scale).__name__)}")
     if l1_scale.device != dev:

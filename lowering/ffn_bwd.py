@@ -76,10 +76,11 @@ def _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n
 
 def backward_grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer):
     """``torch.ops.twell.ffn_bwd(...)`` for the training ops' autograd. In plain eager mode (real
-    tensors, no dispatch mode, no functorch transform, grad mode off) it calls the implementation directly: the
-    op's dispatch cost ~50 µs of host time per call on the H200's hosts (docs/benchmarks.md,
-    session 21), in the gap between a step's forward and backward, where the GPU waits for it.
-    Traced (torch.compile, make_fx, fake tensors), it is the op, so graphs still record it."""
+    tensors, no dispatch mode, no functorch transform, grad mode off) it calls the implementation
+    directly: the op's dispatch cost ~50 µs of host time per call on the H200's hosts
+    (docs/benchmarks.md, session 21), in the gap between a step's forward and backward, where the
+    GPU waits for it. Traced (torch.compile, make_fx, fake tensors), it is the op, so graphs still
+    record it."""
     args = (dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer)
     if _plain_eager(args):
         return _grads(*args)
