@@ -22,8 +22,10 @@ It also holds the small helpers the kernel files share: ``jit_helper``, ``rowmaj
 
 The lists and the split sums were launches of their own until session 21: on the H200 a training
 step's host time measured the same without them (2.547 and 2.543 ms, in one process), since each
-now needs a zeroed ticket, a fill as costly on the host as a Triton launch; an inference call's fell
+now needed a zeroed ticket, a fill as costly on the host as a Triton launch; an inference call's fell
 from 0.601 to 0.576 ms, and each step has four fewer kernels (docs/benchmarks.md, session 21).
+Since session 22 the split sums' tickets are left at zero by their launch and, in the ops, come
+from one kept buffer per device and stream (``zeroed_scratch``), with no fill.
 
 Everything runs on the device from ``n_dense`` (an int32 ``[1]`` tensor): no host sync, CUDA-graph
 capturable. List positions past ``n_dense`` cost one early return per program.
@@ -39,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, launch, next_power_of_2
+from .launch import cdiv, launch, next_power_of_2, raw_stream
 
 # Set before import (DESIGN.md section 9): the interpreter computes bf16 tl.dot wrongly.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -164,14 +166,44 @@ def rowmajor(t: torch.Tensor) -> torch.Tensor:
 
 
 @jit_helper
-def last_to_arrive(ticket_ptr, programs):
+def last_to_arrive(ticket_ptr, programs, RESET: tl.constexpr):
     """Whether this program is the last of ``programs`` to get here, through the zeroed int32
-    ``ticket``. Everything every program stored before its call is visible to the last one: the
-    CTA barrier orders its threads' stores before the ticket's release (``atomic_add`` is acq_rel
-    at GPU scope), and the last program's acquire orders them before its loads. No program waits
-    for another, so any grid size is safe."""
+    ``ticket``; with ``RESET`` the last one sets it back to zero (``zeroed_scratch``). Everything
+    every program stored before its call is visible to the last one: the CTA barrier orders its
+    threads' stores before the ticket's release (``atomic_add`` is acq_rel at GPU scope), and the
+    last program's acquire orders them before its loads. No program waits for another, so any
+    grid size is safe."""
     tl.debug_barrier()
-    return tl.atomic_add(ticket_ptr, 1) == programs - 1
+    last = tl.atomic_add(ticket_ptr, 1) == programs - 1
+    if RESET:
+        tl.atomic_xchg(ticket_ptr, 0, mask=last)
+    return last
+
+
+# Zeroed int32 buffers kept per (device type, index, stream) for ``zeroed_scratch(reuse=True)``.
+_TICKETS: dict = {}
+_TICKETS_MIN = 1024
+
+
+def zeroed_scratch(n: int, device: torch.device, *, reuse: bool) -> torch.Tensor:
+    """int32 zeros, at least ``n`` of them, for one launch's tickets and counters, which the launch
+    leaves at zero again (``last_to_arrive`` resets its ticket).
+
+    ``reuse``: one buffer per (device, stream), kept across calls. Launches on one stream run one
+    after another, so each finds it zeroed and none pays a fresh fill (a PyTorch fill costs the
+    host about what a Triton launch does). Not while a CUDA graph is captured, which records its
+    own fill; callers pass ``reuse=False`` where a kept allocation is not allowed (the warm-up of
+    CUDA-graph trees allocates from the graphs' pool). Two buffers for one launch need two
+    regions of one call: each call may return the same buffer.
+    """
+    if reuse and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+        key = (device.type, index, raw_stream(index) if device.type == "cuda" else 0)
+        buf = _TICKETS.get(key)
+        if buf is None or buf.numel() < n:  # a replaced buffer is freed in stream order: safe
+            buf = _TICKETS[key] = torch.zeros(max(n, _TICKETS_MIN), dtype=torch.int32, device=device)
+        return buf
+    return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -296,7 +328,7 @@ def _flag_rows_kernel(
     tl.store(flags_ptr + rows, flag.to(tl.uint8), mask=r_ok)
     if LIST:
         tl.store(ticket_ptr + 1 + tl.program_id(0), tl.sum((flag & r_ok).to(tl.int32), axis=0))
-        if last_to_arrive(ticket_ptr, tl.num_programs(0)):
+        if last_to_arrive(ticket_ptr, tl.num_programs(0), False):
             _list_blocks(flags_ptr, ticket_ptr + 1, list_ptr, ndense_ptr, M, tl.num_programs(0), BR, CB, SUB)
 
 
@@ -428,7 +460,7 @@ def _split_product_kernel(
         at = i.to(tl.int64)[:, None] * D + offs_d[None, :]
         tl.store(part_ptr + tl.program_id(2).to(tl.int64) * R_CAP * D + at, acc, mask=ok)
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        if last_to_arrive(tickets_ptr + tile, tl.num_programs(2)):
+        if last_to_arrive(tickets_ptr + tile, tl.num_programs(2), True):
             acc = tl.full((BR, BD), 0.0, tl.float32)
             for s in range(tl.num_programs(2)):
                 acc += tl.load(part_ptr + s * R_CAP * D + at, mask=ok, other=0.0, cache_modifier=".cg")
@@ -444,14 +476,15 @@ def split_count(h: int, bh: int) -> int:
 
 
 def scratch_product(coef: torch.Tensor, rows: torch.Tensor, n_dense: torch.Tensor, weights, dst: torch.Tensor,
-                    bias=None, *, split: bool, bh: int, bd: int, warps: int) -> None:
+                    bias=None, *, split: bool, bh: int, bd: int, warps: int, reuse_tickets: bool = False) -> None:
     """``dst[rows[i]] = Σ_p coef[p, i] @ weights[p] (+ bias)`` for list positions ``i < n_dense``.
 
     ``coef``: fp32 ``[planes, r_cap, H]`` (``r_cap`` a multiple of ``BR``; planes past
     ``len(weights)`` are not read); ``weights``: one or two ``[H, D]`` tensors with a contiguous
     last dimension; ``dst``: ``[M, D]``, rows not in the list are left alone; ``split``: the
     ``hi + lo`` products of ``dot_split``. One launch: each output tile's last split sums the
-    splits. Temporaries: fp32 ``[split_count, r_cap, D]`` and an int32 ticket per output tile.
+    splits. Temporaries: fp32 ``[split_count, r_cap, D]`` and an int32 ticket per output tile
+    (``zeroed_scratch``, kept with ``reuse_tickets``).
     """
     r_cap, h = coef.shape[1], coef.shape[2]
     d = weights[0].shape[1]
@@ -460,7 +493,7 @@ def scratch_product(coef: torch.Tensor, rows: torch.Tensor, n_dense: torch.Tenso
     n_split = cdiv(h, h_per)
     part = torch.empty(n_split, r_cap, d, dtype=torch.float32, device=coef.device)
     grid = (r_cap // BR, cdiv(d, bd), n_split)
-    tickets = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=coef.device)
+    tickets = zeroed_scratch(grid[0] * grid[1], coef.device, reuse=reuse_tickets)
     w1, w2 = weights[0], weights[-1]
     launch(_split_product_kernel, grid,
         coef, w1, w2, rows, n_dense, part, tickets, bias if bias is not None else part, dst,

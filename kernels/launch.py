@@ -50,7 +50,7 @@ try:  # the Triton internals this module relies on (checked once; else: plain la
 except ImportError:  # pragma: no cover - other Triton versions
     _SUPPORTED = False
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device: torch.cuda.current_stream(device).cuda_stream)
 # torch.cuda.current_device() without its lazy-init check: a launch only happens once CUDA is up
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
@@ -171,7 +171,7 @@ def _launch_jit(fn: "JITFunction", grid: Grid, args: tuple, kwargs: dict) -> Non
     g0 = grid[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    stream = _raw_stream(device)
+    stream = raw_stream(device)
     values = bound.values()
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if _listening(enter) or _listening(leave):  # a profiler: give it what Triton gives it

@@ -255,7 +255,8 @@ def scatter_outer(out: Tensor, out_rows: Tensor, coef: Tensor, src: Tensor, src_
 class ForwardResult(NamedTuple):
     out: Tensor  # [M, D] in x.dtype
     packed: TwellPacked  # the packed gate (gated) or up (plain) pre-activation
-    up_val: Tensor  # [M, n_tiles, slots] up values at the stored slots (gated); [0] for plain
+    up_val: Tensor  # [M, n_tiles, slots] up values at the stored slots (gated; 0 elsewhere here, unspecified
+    # from the CUDA kernels); [0] for plain
     dense_rows: Tensor  # bool [M]
     l1: Tensor  # 0-d: (1/M) Σ |h| over every row, in accumulation_dtype (float32; float64 for float64)
 

@@ -340,7 +340,7 @@ def _sparse_ffn_kernel(
     out ``[M, D]``. A row is whole-dense when ``dense[t]`` or one of its tiles overflows
     (``count > SLOTS``); with ``STORE_WHOLE``, ``whole [M]`` (uint8) receives that flag; the
     dense-row kernels write those rows.
-    With STORE_UP, ``up [M, N_TILES, SLOTS]`` fp32 (zeroed by the caller) receives the up value of
+    With STORE_UP, ``up [M, N_TILES, SLOTS]`` fp32 receives the up value of
     each stored pair of a row with no overflowed tile and no dense flag.
     """
     pid = tl.program_id(0)
@@ -554,6 +554,7 @@ def sparse_ffn(
     return_up: bool = False,
     dense_scratch_rows: Optional[int] = None,
     row_list: Optional[RowList] = None,
+    reuse_tickets: bool = False,
 ):
     """The FFN output from its packed gate (gated) or packed up pre-activation (plain).
 
@@ -576,8 +577,9 @@ def sparse_ffn(
         out_dtype: dtype of the output (float16/bfloat16/float32); default x's dtype.
         layout: the TwELL layout ``packed`` was made with.
         return_up: also return ``up_val``, fp32 ``[M, n_tiles, slots]``: the up value of each
-            stored pair of the rows that have no overflowed tile and no dense flag, 0 in every
-            other slot (``ForwardResult.up_val``); an empty ``[0]`` tensor for a plain FFN.
+            stored pair of the rows that have no overflowed tile and no dense flag, unspecified in
+            every other slot (as ``packed.val``: readers go by the counts and the dense rows);
+            an empty ``[0]`` tensor for a plain FFN.
         dense_scratch_rows: whole-dense rows computed through the fp32 ``h`` scratch (default: a
             32 MiB budget); rows past it go to the blocked dense kernel (exact, slower when they
             are few). Tests use small values.
@@ -585,6 +587,8 @@ def sparse_ffn(
             the rows that have an overflowed tile (``dense_rows.flag_rows(..., flag_overflow=True,
             with_list=True)`` makes both): the kernel then does not flag them again, and the list
             takes no launch of its own. A row left out of it gets no output.
+        reuse_tickets: the dense rows' split sums take their tickets from a kept buffer
+            (``dense_rows.zeroed_scratch``) instead of a fresh fill.
 
     Returns:
         ``out [M, D]``, or ``(out, up_val)`` with ``return_up``.
@@ -616,12 +620,9 @@ def sparse_ffn(
 
     # 2. Allocate the outputs (and Wdᵀ, the only temporary).
     store_up = return_up and gated
-    if store_up:
-        # Zeroed by one memset rather than per token in the kernel: the same speed on the H200
-        # (0.786 vs 0.791 ms at 0.5% density), and a simpler kernel.
-        up_val = torch.zeros(m, n_tiles, slots, dtype=torch.float32, device=dev)
-    else:
-        up_val = torch.zeros(0, dtype=torch.float32, device=dev)
+    # Only the stored pairs of sparse rows are written and read: no fill (a 46 MB memset and a
+    # launch per training step at the 2B shape).
+    up_val = torch.empty((m, n_tiles, slots) if store_up else (0,), dtype=torch.float32, device=dev)
     if m == 0 or h == 0:  # nothing to gather: out = bd
         out = torch.zeros(m, d, dtype=torch.float32, device=dev)
         out = (out if bd is None else out + bd.float()).to(out_dtype)
@@ -653,11 +654,12 @@ def sparse_ffn(
     )
     if d > 0:
         listed = dense_list(whole) if row_list is None else row_list
-        _launch_whole_dense(listed, *weights, out, strides, flags, ovf, dense_scratch_rows)
+        _launch_whole_dense(listed, *weights, out, strides, flags, ovf, dense_scratch_rows, reuse_tickets)
     return (out, up_val) if return_up else out
 
 
-def _launch_whole_dense(listed, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, ovf, scratch_rows) -> None:
+def _launch_whole_dense(listed, x, wg, bg, wu, bu, wdt, bd, out, strides, flags, ovf, scratch_rows,
+                        reuse_tickets: bool) -> None:
     """``out`` of the listed rows (``RowList``, made on the device: no host sync).
 
     The first ``r_cap`` list positions: ``h`` into an fp32 scratch (one ``[16, BH]`` tile per
@@ -684,7 +686,7 @@ def _launch_whole_dense(listed, x, wg, bg, wu, bu, wdt, bd, out, strides, flags,
             **hflags, NATIVE=native, OVF=ovf, BR=BR, BH=bh, BK=bk, num_warps=warps,
         )
         scratch_product(hid, rows, n_dense, (wdt,), out, bd if flags["HAS_BD"] else None,
-                        split=split, bh=bh, bd=bd_blk, warps=warps)
+                        split=split, bh=bh, bd=bd_blk, warps=warps, reuse_tickets=reuse_tickets)
     if m > r_cap:
         bm, bh, bk, bd_blk, warps, stages = _DENSE_TILES_INTERPRET if INTERPRET else _DENSE_TILES[x.element_size()]
         bd_blk = min(bd_blk, max(16, next_power_of_2(d)))

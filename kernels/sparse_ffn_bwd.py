@@ -870,6 +870,7 @@ def sparse_ffn_backward(
     dense_scratch_rows: Optional[int] = None,
     dense_wgrad_gemm: bool = False,
     row_list: Optional[RowList] = None,
+    reuse_tickets: bool = False,
 ) -> Grads:
     """Gradients of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|`` for a TwELL FFN.
 
@@ -885,8 +886,9 @@ def sparse_ffn_backward(
             returned for each one given, ``None`` otherwise.
         packed: the forward's TwELL buffer (gate pre-activation for gated, up for plain), fp32
             values, in ``layout``; it must be a valid buffer (``format.py``).
-        up_val: fp32 ``[M, n_tiles, slots]`` up values at the stored slots (gated); ignored (may be
-            empty) for a plain FFN.
+        up_val: fp32 ``[M, n_tiles, slots]`` up values at the stored slots of the sparse rows
+            (read nowhere else, so other slots may hold anything; gated); ignored (may be empty)
+            for a plain FFN.
         dense_rows: bool ``[M]``: rows computed by the dense formulas, with the semantics of
             ``reference.backward_dense_rows_ref`` (``backward_dense_rows`` computes it). It must
             include every overflowed row: their stored slots are incomplete.
@@ -902,6 +904,8 @@ def sparse_ffn_backward(
             the same up to fp32 summation order (and the ``hi + lo`` split of bf16 coefficients).
         row_list: ``dense_rows`` already listed on the device (``dense_rows.flag_rows(...,
             with_list=True)``); otherwise listed here, one launch.
+        reuse_tickets: the dense rows' split sums take their tickets from a kept buffer
+            (``dense_rows.zeroed_scratch``) instead of a fresh fill.
 
     Returns:
         ``reference.Grads`` in the input dtypes, each contiguous. ``dwd`` is made from the ``[H, D]``
@@ -1001,7 +1005,7 @@ def sparse_ffn_backward(
     if r_cap:
         # hi + lo in bf16 only: fp16's range cannot hold every finite fp32 coefficient.
         scratch_product(coef, rows, n_dense, (wg_, wu) if gated else (wu,), dx,
-                        split=x.dtype == torch.bfloat16, bh=bh, bd=bd_blk, warps=warps)
+                        split=x.dtype == torch.bfloat16, bh=bh, bd=bd_blk, warps=warps, reuse_tickets=reuse_tickets)
     partial = dense_wgrad_gemm and r_cap > 0
     part = psum = dummy
     if partial:

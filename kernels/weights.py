@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dense_rows import INTERPRET, jit_helper
+from .dense_rows import INTERPRET, jit_helper, zeroed_scratch
 from .launch import cdiv, launch
 
 _TILE = 16 if INTERPRET else 64  # transpose tile
@@ -123,11 +123,16 @@ def _weight_facts_kernel(
     tl.atomic_max(facts_ptr + _BAD, bad)
     last = tl.num_programs(0) * tl.num_programs(1) - 1
     if tl.atomic_add(facts_ptr + _TICKET, 1) == last:  # acq_rel: every other program's maxima are in
-        offset = tl.where(tl.atomic_add(facts_ptr + _BAD, 0) > 0, float("inf"), 0.0)
+        # read and zero: the buffer is left as found (``zeroed_scratch``)
+        up = tl.atomic_xchg(facts_ptr + _UP, 0).to(tl.float32, bitcast=True)
+        down = tl.atomic_xchg(facts_ptr + _DOWN, 0).to(tl.float32, bitcast=True)
+        offset = tl.where(tl.atomic_xchg(facts_ptr + _BAD, 0) > 0, float("inf"), 0.0)
+        top_bias = tl.atomic_xchg(facts_ptr + _BIAS, 0).to(tl.float32, bitcast=True)
+        tl.atomic_xchg(facts_ptr + _TICKET, 0)
         if GATED:
-            tl.store(fwd_ptr, tl.sqrt_rn(tl.atomic_add(facts_ptr + _UP, 0).to(tl.float32, bitcast=True)))
-            tl.store(fwd_ptr + 1, offset + tl.atomic_add(facts_ptr + _BIAS, 0).to(tl.float32, bitcast=True))
-            tl.store(bwd_ptr, tl.sqrt_rn(tl.atomic_add(facts_ptr + _DOWN, 0).to(tl.float32, bitcast=True)))
+            tl.store(fwd_ptr, tl.sqrt_rn(up))
+            tl.store(fwd_ptr + 1, offset + top_bias)
+            tl.store(bwd_ptr, tl.sqrt_rn(down))
         else:
             tl.store(fwd_ptr, 0.0)
             tl.store(fwd_ptr + 1, offset)
@@ -138,7 +143,7 @@ def _weight_facts_kernel(
 
 
 def guard_bounds(wg: Optional[torch.Tensor], wu: torch.Tensor, wd: torch.Tensor, bg: Optional[torch.Tensor],
-                 bu: Optional[torch.Tensor], bd: Optional[torch.Tensor]):
+                 bu: Optional[torch.Tensor], bd: Optional[torch.Tensor], *, reuse_tickets: bool = False):
     """``(forward, backward)`` fp32 ``[3]`` bounds for ``dense_rows.flag_rows``: the finiteness
     guard of ``reference.dense_rows_ref`` on rows of x, and the ``dout`` terms of
     ``reference.backward_dense_rows_ref`` on rows of dout (``reference.guard_bounds_ref``).
@@ -146,16 +151,17 @@ def guard_bounds(wg: Optional[torch.Tensor], wu: torch.Tensor, wd: torch.Tensor,
     Gated: ``‖x_t‖·max‖Wu_j‖ + max|bu|`` bounds the up projection and ``‖dout_t‖·max‖Wd[:, j]‖``
     bounds ``dh``; both must stay below the dtype's largest value. Plain: scale 0, so only a
     non-finite norm (NaN after ``·0``) flags. A non-finite weight or bias flags every forward row
-    (offset +Inf). Two launches (a zeroed buffer, then one pass over the weights whose last
-    program writes the bounds); no host sync.
+    (offset +Inf). One pass over the weights whose last program writes the bounds, on a zeroed
+    buffer that it leaves zeroed (``zeroed_scratch``: kept with ``reuse_tickets``, else a fill);
+    no host sync.
     """
     gated = wg is not None
     h, d = wu.shape
     dev = wu.device
-    facts = torch.zeros(5, dtype=torch.int32, device=dev)
-    bounds = torch.empty(2, 3, dtype=torch.float32, device=dev)
     if not INTERPRET and dev.type != "cuda":
         raise ValueError(f"wu must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")
+    facts = zeroed_scratch(5, dev, reuse=reuse_tickets)
+    bounds = torch.empty(2, 3, dtype=torch.float32, device=dev)
     wu_ = wu if wu.stride(1) == 1 else wu.contiguous()
     wg_ = (wg if wg.stride(1) == 1 else wg.contiguous()) if gated else wu_
     launch(_weight_facts_kernel, (max(1, cdiv(max(h, d), _ROWS)), 4),

@@ -389,9 +389,9 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
     wd_rows = _DownRows.get(wd, keep=keep)
     rows = dict(dense_rows=whole, row_list=listed, wg=wg, bg=bg)
     if training:  # the backward needs the up values at the stored pairs
-        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows, return_up=True)
+        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows, return_up=True, reuse_tickets=keep)
     else:
-        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows), None
+        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows, reuse_tickets=keep), None
     dense_rows = l1 = None
     if want_l1:
         dense_rows = packed.overflow_rows()  # the guard's rows are marked overflowed
@@ -418,15 +418,15 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     policy = None if layer is None else _policy(layer, x2d.device, create=False)
     gemm = policy is not None and policy.expects_dense_rows(x2d.shape[0], DENSE_WGRAD_GEMM_ROWS)
     args = (dout2d, x2d, wg, wu, _DownRows.get(wd, keep=keep), bg, bu, bd, packed, up_val, dense_rows, l1_scale)
-    grads = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm, row_list=listed)
+    grads = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm, row_list=listed, reuse_tickets=keep)
     signature = ("backward", *_signature(x2d, wg, wu, bg, bu, bd, True))
     if not _capturing() and signature not in _WARM:
-        _tune_other_wgrad(args, gemm, listed)
+        _tune_other_wgrad(args, gemm, listed, keep)
         _WARM.add(signature)
     return grads
 
 
-def _tune_other_wgrad(args: tuple, gemm: bool, listed) -> None:
+def _tune_other_wgrad(args: tuple, gemm: bool, listed, keep: bool) -> None:
     """Run the problem's first sparse backward once more with the other weight-gradient variant
     (with or without the dense rows' GEMM buffer), result discarded, so that both are compiled and
     tuned at the start. Each variant tunes on its first call: on the H200 at the 2B shape 4.5 and
@@ -435,7 +435,7 @@ def _tune_other_wgrad(args: tuple, gemm: bool, listed) -> None:
     from twell_compile.kernels.sparse_ffn_bwd import sparse_ffn_backward
 
     try:
-        sparse_ffn_backward(*args, dense_wgrad_gemm=not gemm, row_list=listed)
+        sparse_ffn_backward(*args, dense_wgrad_gemm=not gemm, row_list=listed, reuse_tickets=keep)
     except torch.cuda.OutOfMemoryError:
         pass
 
@@ -508,7 +508,7 @@ class _WeightFacts:
         capturing = key is None or _capturing()
         if not capturing and key in cls._cache:
             return cls._cache[key]
-        facts = guard_bounds(wg, wu, wd, bg, bu, bd)
+        facts = guard_bounds(wg, wu, wd, bg, bu, bd, reuse_tickets=keep)
         if not capturing:
             cls._cache[key] = facts
             while len(cls._cache) > 256:

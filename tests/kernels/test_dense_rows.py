@@ -232,3 +232,34 @@ def test_scratch_capacity_covers_the_budget_and_the_dispatch_limit():
     assert DR.scratch_capacity(16384, per_row, requested=20) == 32
     assert DR.scratch_capacity(16384, per_row, requested=0) == 0
     assert DR.scratch_capacity(16384, 1 << 40) == 336  # a tiny budget: still 2% of the rows
+
+
+def test_kept_tickets_are_left_zeroed_and_change_nothing():
+    """With ``reuse_tickets`` the split sums of ``scratch_product`` and ``guard_bounds`` take
+    their tickets and counters from the kept buffer (``zeroed_scratch``): each launch, twice over,
+    gives bitwise the results of a fresh zeroed buffer and leaves the kept one all zeros (the next
+    launch on the stream relies on it)."""
+    gen = torch.Generator().manual_seed(11)
+    dev = torch.device(DEV)
+    kept = DR.zeroed_scratch(1, dev, reuse=True)
+    assert DR.zeroed_scratch(1, dev, reuse=True) is kept and not kept.any()
+    assert DR.zeroed_scratch(1, dev, reuse=False) is not kept
+
+    m, d, h, r_cap = 40, 24, 200, 32  # two H splits (test_scratch_product_matches_float64)
+    rows, n_dense = DR.dense_list((torch.arange(m) % 7 == 0).to(DEV))
+    coef = torch.randn(2, r_cap, h, generator=gen).to(DEV)
+    weights = [torch.randn(h, d, generator=gen).to(DEV) for _ in range(2)]
+    wg, wu = (torch.randn(h, d, generator=gen).to(DEV) for _ in range(2))
+    wd, bu = torch.randn(d, h, generator=gen).to(DEV), torch.randn(h, generator=gen).to(DEV)
+
+    def run(reuse):
+        dst = torch.zeros(m, d, device=DEV)
+        DR.scratch_product(coef, rows, n_dense, weights, dst, split=False, bh=16, bd=16, warps=4,
+                           reuse_tickets=reuse)
+        return [dst, *W.guard_bounds(wg, wu, wd, None, bu, None, reuse_tickets=reuse)]
+
+    fresh = run(False)
+    for _ in range(2):
+        again = run(True)
+        assert all(torch.equal(x, y) for x, y in zip(again, fresh))
+        assert not DR.zeroed_scratch(1, dev, reuse=True).any()
