@@ -180,9 +180,11 @@ def last_to_arrive(ticket_ptr, programs, RESET: tl.constexpr):
     return last
 
 
-# Zeroed int32 buffers kept per (device type, index, stream) for ``zeroed_scratch(reuse=True)``.
+# Zeroed int32 buffers kept per (device type, index, stream) for ``zeroed_scratch(reuse=True)``;
+# the oldest is dropped past _TICKETS_STREAMS streams (code that makes a stream per batch).
 _TICKETS: dict = {}
 _TICKETS_MIN = 1024
+_TICKETS_STREAMS = 64
 
 
 def zeroed_scratch(n: int, device: torch.device, *, reuse: bool) -> torch.Tensor:
@@ -200,8 +202,12 @@ def zeroed_scratch(n: int, device: torch.device, *, reuse: bool) -> torch.Tensor
         index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
         key = (device.type, index, raw_stream(index) if device.type == "cuda" else 0)
         buf = _TICKETS.get(key)
-        if buf is None or buf.numel() < n:  # a replaced buffer is freed in stream order: safe
+        if buf is None or buf.numel() < n:
+            # A dropped buffer returns to the allocator on the stream it was made on (the key's),
+            # which reuses it only after the work queued there: safe.
             buf = _TICKETS[key] = torch.zeros(max(n, _TICKETS_MIN), dtype=torch.int32, device=device)
+            while len(_TICKETS) > _TICKETS_STREAMS:
+                del _TICKETS[next(iter(_TICKETS))]
         return buf
     return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
 

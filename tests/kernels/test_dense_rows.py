@@ -263,3 +263,25 @@ def test_kept_tickets_are_left_zeroed_and_change_nothing():
         again = run(True)
         assert all(torch.equal(x, y) for x, y in zip(again, fresh))
         assert not DR.zeroed_scratch(1, dev, reuse=True).any()
+
+
+def test_kept_tickets_are_one_buffer_per_stream_and_bounded():
+    """One kept buffer per (device, stream), grown when a launch needs more, the oldest dropped
+    past ``_TICKETS_STREAMS``; a fresh zeroed one under ``reuse=False``."""
+    dev = torch.device(DEV)
+    DR._TICKETS.clear()
+    small = DR.zeroed_scratch(3, dev, reuse=True)
+    assert small.numel() >= 3 and not small.any()
+    big = DR.zeroed_scratch(DR._TICKETS_MIN + 5, dev, reuse=True)
+    assert big is not small and big.numel() >= DR._TICKETS_MIN + 5 and not big.any()
+    assert DR.zeroed_scratch(3, dev, reuse=True) is big
+    assert len(DR._TICKETS) == 1
+    DR._TICKETS.clear()
+    with pytest.MonkeyPatch.context() as mp:  # six other streams (stand-in keys), then this one
+        mp.setattr(DR, "_TICKETS_STREAMS", 4)
+        DR._TICKETS.update({("other stream", i): small for i in range(6)})
+        kept = DR.zeroed_scratch(1, dev, reuse=True)
+        assert list(DR._TICKETS) == [("other stream", 3), ("other stream", 4), ("other stream", 5), *[
+            k for k in DR._TICKETS if k[0] == dev.type]]
+        assert DR.zeroed_scratch(1, dev, reuse=True) is kept
+    DR._TICKETS.clear()
