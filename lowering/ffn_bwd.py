@@ -54,8 +54,9 @@ def ffn_bwd(
     return _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer)
 
 
-def _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer):
-    """``twell::ffn_bwd``'s implementation."""
+def _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer, *, placeholders=True):
+    """``twell::ffn_bwd``'s implementation; ``placeholders=False`` gives ``None`` for absent inputs
+    instead of the op's empty tensors (autograd wants ``None`` there: no allocation)."""
     check_ffn_args(x, wg, wu, wd, bg, bu, bd)
     check_l1_args(x, l1_coeff, n_layers)
     check_dout(dout, x)
@@ -69,7 +70,9 @@ def _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n
     )
 
     def out(t):
-        return x.new_empty(_EMPTY) if t is None else t.contiguous()
+        if t is None:
+            return x.new_empty(_EMPTY) if placeholders else None
+        return t.contiguous()
 
     return (grads.dx.reshape(x.shape), out(grads.dwg), out(grads.dwu), out(grads.dwd), out(grads.dbg), out(grads.dbu), out(grads.dbd))
 
@@ -79,15 +82,15 @@ def backward_grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_
     tensors, no dispatch mode, no functorch transform, grad mode off) it calls the implementation
     directly: the op's dispatch cost ~50 µs of host time per call on the H200's hosts
     (docs/benchmarks.md, session 21), in the gap between a step's forward and backward, where the
-    GPU waits for it. Traced (torch.compile, make_fx, fake tensors), it is the op, so graphs still
-    record it."""
+    GPU waits for it; absent inputs then get ``None``, not the op's empty placeholders. Traced
+    (torch.compile, make_fx, fake tensors), it is the op, so graphs still record it."""
     args = (dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer)
-    if _plain_eager(args):
-        return _grads(*args)
+    if plain_eager(args):
+        return _grads(*args, placeholders=False)
     return ffn_bwd(*args)
 
 
-def _plain_eager(args) -> bool:
+def plain_eager(args) -> bool:
     """Real tensors, nothing tracing or transforming, and grad mode off (with ``create_graph=True``
     the op raises the double-backward error it registers)."""
     return (not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0

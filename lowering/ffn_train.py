@@ -4,6 +4,14 @@ It returns the FFN output plus the compact TwELL tensors its backward needs, so 
 size ``[tokens, H]`` is saved. Its autograd calls ``twell::ffn_bwd``, which injects the gradient
 of ``l1_coeff · L1`` (DESIGN.md section 4). ``l1_coeff`` is a 0-d tensor, so changing its value
 (schedules, warm-up) never recompiles.
+
+The op is defined with ``torch.library.Library`` and has an autograd kernel of its own (an
+``autograd.Function``) rather than ``torch.library.custom_op``'s: that one fills the schema's
+defaults on every call with grad (a loop that rebuilds the schema's argument list twice per
+argument), which made a training forward cost 54 µs of dispatch against 14 µs for an
+``autograd.Function`` on our CPU (docs/benchmarks.md, session 22). In plain eager mode the
+forward also calls the implementation directly, as the backward does (``ffn_bwd.backward_grads``);
+traced (``torch.compile``, ``make_fx``, fake tensors) it redispatches the op, so graphs record it.
 """
 
 from __future__ import annotations
@@ -15,11 +23,17 @@ from torch import Tensor
 
 from . import impl
 from .checks import check_ffn_args, check_l1_args
-from .ffn_bwd import backward_grads
+from .ffn_bwd import backward_grads, plain_eager
+
+_LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the custom_op ops
+_LIB.define(
+    "ffn_train(Tensor x, Tensor? wg, Tensor wu, Tensor wd, Tensor? bg, Tensor? bu, Tensor? bd, Tensor l1_coeff, "
+    "SymInt n_layers, SymInt layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.needs_contiguous_strides, torch.Tag.pt2_compliant_tag),
+)
 
 
-@torch.library.custom_op("twell::ffn_train", mutates_args=(), tags=(torch.Tag.needs_contiguous_strides,))
-def ffn_train(
+def _ffn_train(
     x: Tensor,
     wg: Optional[Tensor],
     wu: Tensor,
@@ -66,7 +80,7 @@ def ffn_train(
     )
 
 
-@ffn_train.register_fake
+@torch.library.register_fake("twell::ffn_train", lib=_LIB)
 def _(x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
     shapes = impl.saved_shapes(x.shape[:-1], wu.shape[0], wg is not None)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -79,26 +93,45 @@ def _(x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
     )
 
 
-def _setup_context(ctx, inputs, output):
-    x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer = inputs
-    _, idx, val, count, up_val = output
-    ctx.mark_non_differentiable(idx, val, count, up_val)
-    # Without this, eager autograd hands the backward zero-filled gradients of the four TwELL
-    # outputs: four [tokens, n_tiles, slots]-sized memsets per step (~0.13 ms of host time, ~35 us
-    # of GPU time and 135 MB of the step's peak at the 2B shape, docs/benchmarks.md, session 19),
-    # never read.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff)
-    ctx.n_layers, ctx.layer = n_layers, layer
+class _Train(torch.autograd.Function):
+    """The op's autograd: its forward (the implementation in plain eager mode, else the op below
+    autograd), with the op's inputs and TwELL outputs saved for ``_backward``."""
+
+    @staticmethod
+    def forward(ctx, keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
+        args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer)
+        if plain_eager(args):
+            output = _ffn_train(*args)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                output = torch.ops.twell.ffn_train.default.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        _, idx, val, count, up_val = output
+        ctx.mark_non_differentiable(idx, val, count, up_val)
+        # Without this, eager autograd hands the backward zero-filled gradients of the four TwELL
+        # outputs: four [tokens, n_tiles, slots]-sized memsets per step (~0.13 ms of host time, ~35 us
+        # of GPU time and 135 MB of the step's peak at the 2B shape, docs/benchmarks.md, session 19),
+        # never read.
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff)
+        ctx.n_layers, ctx.layer = n_layers, layer
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _didx, _dval, _dcount, _dup):
+        x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff = ctx.saved_tensors
+        if dout is None:  # no gradient reached out (grads are not materialised); the L1 term still has one
+            dout = torch.zeros_like(x)
+        grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff,
+                               ctx.n_layers, ctx.layer)
+        return (None, *present_grads(grads, (wg, bg, bu, bd)), None, None, None)
 
 
-def _backward(ctx, dout, _didx, _dval, _dcount, _dup):
-    x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff = ctx.saved_tensors
-    if dout is None:  # no gradient reached out (grads are not materialised); the L1 term still has one
-        dout = torch.zeros_like(x)
-    grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff,
-                           ctx.n_layers, ctx.layer)
-    return (*present_grads(grads, (wg, bg, bu, bd)), None, None, None)
+def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
+    args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(x, wg, wu, wd, bg, bu, bd):
+        return _Train.apply(keyset, *args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.twell.ffn_train.default.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
 def present_grads(grads, optional_inputs):
@@ -116,4 +149,6 @@ def present_grads(grads, optional_inputs):
     )
 
 
-ffn_train.register_autograd(_backward, setup_context=_setup_context)
+_LIB.impl("ffn_train", _ffn_train, "CompositeExplicitAutograd")
+_LIB.impl("ffn_train", _autograd_kernel, "Autograd", with_keyset=True)
+ffn_train = torch.ops.twell.ffn_train

@@ -358,25 +358,54 @@ def test_eager_backward_calls_the_implementation_and_traced_ones_the_op(monkeypa
     assert not calls, "eager backward went through the op"
     eager = [t.grad.clone() for t in args if t is not None]
     real = x.detach()
-    assert FB._plain_eager((real,)) is False  # grad mode is on here
+    assert FB.plain_eager((real,)) is False  # grad mode is on here
     with torch.no_grad():
-        assert FB._plain_eager((real, 1)) is True
+        assert FB.plain_eager((real, 1)) is True
         mode = FakeTensorMode()
-        assert FB._plain_eager((mode.from_tensor(real),)) is False  # a tensor subclass
+        assert FB.plain_eager((mode.from_tensor(real),)) is False  # a tensor subclass
         with mode:
-            assert FB._plain_eager((real,)) is False  # a dispatch mode is on
+            assert FB.plain_eager((real,)) is False  # a dispatch mode is on
         seen = []
-        torch.func.vmap(lambda t: seen.append(FB._plain_eager((t,))) or t)(real)
+        torch.func.vmap(lambda t: seen.append(FB.plain_eager((t,))) or t)(real)
         assert seen == [False]  # a functorch transform is on
     for t in args:
         if t is not None:
             t.grad = None
     out = ops.ffn_train(*args, torch.tensor(1e-3), 1, 0)[0]
-    monkeypatch.setattr(FB, "_plain_eager", lambda a: False)
+    monkeypatch.setattr(FB, "plain_eager", lambda a: False)
     out.sum().backward()
     assert calls, "with the eager shortcut off, the backward calls the op"
     for a, b in zip(eager, [t.grad for t in args if t is not None]):
         assert torch.equal(a, b)
+
+
+def test_eager_forward_calls_the_implementation_and_traced_ones_the_op(monkeypatch):
+    """``twell::ffn_train`` with grad calls its implementation directly in eager mode (its own
+    autograd kernel, no redispatch) and gives what the op computes without grad; traced with
+    ``make_fx`` the graph records the op, and the op's registrations pass ``opcheck``."""
+    import importlib
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    FT = importlib.import_module("twell_compile.lowering.ffn_train")  # the module (the package exports the op)
+    args = make_args(True, True, torch.float64, requires_grad=True)
+    coeff = torch.tensor(1e-3)
+    with torch.no_grad():
+        expected = ops.ffn_train(*args, coeff, 1, 0)
+    calls = []
+    original = FT._ffn_train
+    monkeypatch.setattr(FT, "_ffn_train", lambda *a: calls.append(1) or original(*a))
+    got = ops.ffn_train(*args, coeff, 1, 0)
+    assert calls == [1], "the eager forward did not call the implementation once"
+    assert got[0].requires_grad and not any(t.requires_grad for t in got[1:])
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+    def step(x, wg, wu, wd, bg, bu, bd, c):
+        return ops.ffn_train(x, wg, wu, wd, bg, bu, bd, c, 1, 0)[0]
+
+    graph = make_fx(step, tracing_mode="fake")(*args, coeff)
+    assert any(n.target is ops.ffn_train.default for n in graph.graph.nodes)
 
 
 def test_double_backward_is_refused():
