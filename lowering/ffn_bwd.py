@@ -90,12 +90,17 @@ def backward_grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_
     return ffn_bwd(*args)
 
 
+# Tensor types that are real tensors: a model's weights are Parameters (no dispatch override).
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
 def plain_eager(args) -> bool:
-    """Real tensors, nothing tracing or transforming, and grad mode off (with ``create_graph=True``
-    the op raises the double-backward error it registers)."""
-    return (not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active()
-            and all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor)))
+    """Real tensors (``Tensor`` or ``Parameter``: not fake, functional or other subclasses),
+    nothing tracing or transforming, and grad mode off (with ``create_graph=True`` the op raises
+    the double-backward error it registers)."""
+    if torch.is_grad_enabled() or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
+        return False
+    return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))
 
 
 @ffn_bwd.register_fake

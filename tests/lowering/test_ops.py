@@ -361,6 +361,7 @@ def test_eager_backward_calls_the_implementation_and_traced_ones_the_op(monkeypa
     assert FB.plain_eager((real,)) is False  # grad mode is on here
     with torch.no_grad():
         assert FB.plain_eager((real, 1)) is True
+        assert FB.plain_eager((real, torch.nn.Parameter(real.clone()), None)) is True  # a model's weights
         mode = FakeTensorMode()
         assert FB.plain_eager((mode.from_tensor(real),)) is False  # a tensor subclass
         with mode:
@@ -381,14 +382,16 @@ def test_eager_backward_calls_the_implementation_and_traced_ones_the_op(monkeypa
 
 def test_eager_forward_calls_the_implementation_and_traced_ones_the_op(monkeypatch):
     """``twell::ffn_train`` with grad calls its implementation directly in eager mode (its own
-    autograd kernel, no redispatch) and gives what the op computes without grad; traced with
-    ``make_fx`` the graph records the op, and the op's registrations pass ``opcheck``."""
+    autograd kernel, no redispatch), also with the weights as ``nn.Parameter``s as in a model, and
+    gives what the op computes without grad; traced with ``make_fx`` the graph records the op
+    (``test_opcheck_all_ops`` checks its registrations)."""
     import importlib
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
     FT = importlib.import_module("twell_compile.lowering.ffn_train")  # the module (the package exports the op)
     args = make_args(True, True, torch.float64, requires_grad=True)
+    args = [args[0], *(None if t is None else torch.nn.Parameter(t.detach()) for t in args[1:])]
     coeff = torch.tensor(1e-3)
     with torch.no_grad():
         expected = ops.ffn_train(*args, coeff, 1, 0)
