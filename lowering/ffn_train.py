@@ -95,7 +95,7 @@ def _(x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
 
 class _Train(torch.autograd.Function):
     """The op's autograd: its forward (the implementation in plain eager mode, else the op below
-    autograd), with the op's inputs and TwELL outputs saved for ``_backward``."""
+    autograd), with the op's inputs and TwELL outputs saved for its backward."""
 
     @staticmethod
     def forward(ctx, keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
