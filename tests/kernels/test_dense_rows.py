@@ -285,3 +285,42 @@ def test_kept_tickets_are_one_buffer_per_stream_and_bounded():
             k for k in DR._TICKETS if k[0] == dev.type]]
         assert DR.zeroed_scratch(1, dev, reuse=True) is kept
     DR._TICKETS.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_kept_tickets_on_two_streams_at_once():
+    """Launches on two streams at once each take their own stream's kept buffer: many split sums
+    (16 splits a tile) and weight bounds queued on both streams with no sync between them give
+    bitwise the results of fresh buffers, and leave both kept buffers zeroed."""
+    gen = torch.Generator().manual_seed(12)
+    h, d, r_cap = 4096, 512, 256
+    flags = torch.zeros(r_cap + 40, dtype=torch.bool)
+    flags[torch.randperm(r_cap + 40, generator=gen)[:200]] = True
+    rows, n_dense = DR.dense_list(flags.cuda())
+    coef = torch.randn(2, r_cap, h, generator=gen).cuda()
+    weights = [torch.randn(h, d, generator=gen).cuda() for _ in range(2)]
+    wg, wu = (torch.randn(h, d, generator=gen).bfloat16().cuda() for _ in range(2))
+    wd = torch.randn(d, h, generator=gen).bfloat16().cuda()
+
+    def run(reuse):
+        dst = torch.zeros(r_cap + 40, d, device="cuda")
+        DR.scratch_product(coef, rows, n_dense, weights, dst, split=False, bh=16, bd=64, warps=4, reuse_tickets=reuse)
+        return [dst, *W.guard_bounds(wg, wu, wd, None, None, None, reuse_tickets=reuse)]
+
+    fresh = run(False)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    results = [[], []]
+    for _ in range(8):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                results[i].append(run(True))
+    torch.cuda.synchronize()
+    for per_stream in results:
+        for got in per_stream:
+            assert all(torch.equal(a, b) for a, b in zip(got, fresh))
+    for s in streams:
+        with torch.cuda.stream(s):
+            assert not DR.zeroed_scratch(1, torch.device("cuda"), reuse=True).any()
