@@ -128,7 +128,7 @@ class _Train(torch.autograd.Function):
 
 def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
     args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(x, wg, wu, wd, bg, bu, bd):
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
         return _Train.apply(keyset, *args)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.twell.ffn_train.default.redispatch(keyset & torch._C._after_autograd_keyset, *args)
