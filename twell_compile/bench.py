@@ -157,6 +157,64 @@ def weights_updated(weights) -> None:
         torch.autograd.graph.increment_version(w)
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def host_step_ms(d: int, h: int, *, steps: int = 50, reps: int = 5) -> float:
+    """Host time of one forced sparse TwELL training step at M=512 tokens (ms, median of ``reps``
+    rounds of ``steps``), where the GPU waits for the host. A sparse training step at 0.5% density
+    at the benchmark shape is about as long as its host's work, which differed by 1.5× between
+    the H200's hosts (docs/benchmarks.md, sessions 19-22): this says how fast this run's was."""
+    from .lowering import cuda_impl
+
+    x, wg, wu, wd = make_problem(512, d, h, 0.005, skewed=False)
+    params = [p.detach().requires_grad_() for p in (x, wg, wu, wd)]
+    dout, coeff = torch.randn_like(x), torch.tensor(2e-5, device=x.device)
+
+    def step():
+        twell_train_step(*params, dout, coeff)
+        weights_updated(params[1:])
+
+    forced, cuda_impl.FORCE_PATH = cuda_impl.FORCE_PATH, "sparse"
+    try:
+        for _ in range(5):
+            step()
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) / steps * 1e3)
+    finally:
+        cuda_impl.FORCE_PATH = forced
+    return statistics.median(times)
+
+
+def host_line(d: int, h: int) -> str:
+    """The benchmark's host line: CPU model, cores, and ``host_step_ms``."""
+    import os
+
+    try:
+        step = f"{host_step_ms(d, h):.3f} ms"
+    except Exception as err:  # noqa: BLE001 - a report line: say what failed, keep the results
+        step = f"not measured ({type(err).__name__}: {err})"
+    return (f"host: {cpu_model()}, {os.cpu_count()} cores; a forced sparse training step's host time "
+            f"at M=512 (GPU waiting): {step}")
+
+
 def median_ms(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, calls: int = 4) -> float:
     """Median over ``reps`` samples of the CUDA-event time of ``calls`` back-to-back calls, per call.
 
@@ -369,10 +427,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 reps=args.reps, max_sparse_train_density=args.max_sparse_train_density, heavy_rows=heavy,
                                 overflow_rows=overflow, overflow_tiles=args.overflow_tiles))
         torch.cuda.empty_cache()
+    host = host_line(args.d, args.h)  # after the points, so that its calls cannot steer their policy
     print(f"\ntwell bench on {torch.cuda.get_device_name()} (torch {torch.__version__}), gated FFN bf16, D={args.d}, H={args.h}; {time.time() - t0:.0f} s")
+    print(host)
     print_table(rows)
     for path in write_outputs(rows, args.out):
         print(f"wrote {path}")
+    (args.out / "host.txt").write_text(host + "\n")
+    print(f"wrote {args.out / 'host.txt'}")
     return 0
 
 

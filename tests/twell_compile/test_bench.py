@@ -128,3 +128,25 @@ def test_timed_training_steps_invalidate_the_ops_weight_caches():
     second = cuda_impl._DownRows.get(wd)
     assert second is not first and torch.equal(second, first)
     assert torch.equal(wd.detach(), before)
+
+
+def test_host_line_names_the_cpu_and_says_when_the_step_was_not_measured(monkeypatch):
+    """The benchmark's host line: the CPU model and core count, and the host time of a sparse
+    training step, or why it was not measured (here: a failing probe), without losing the run."""
+    import builtins
+
+    real_open = builtins.open
+    cpuinfo = "processor\t: 0\nvendor_id\t: X\nmodel name\t: Some CPU @ 2.00GHz\nflags\t: a b\n"
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(cpuinfo) if path == "/proc/cpuinfo"
+                        else real_open(path, *a, **k))
+    assert bench.cpu_model() == "Some CPU @ 2.00GHz"
+
+    def fail(d, h):
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(bench, "host_step_ms", fail)
+    line = bench.host_line(64, 128)
+    assert line.startswith(f"host: {bench.cpu_model()}, ") and "cores" in line
+    assert "not measured (RuntimeError: no GPU here)" in line
+    monkeypatch.setattr(bench, "host_step_ms", lambda d, h: 2.5)
+    assert bench.host_line(64, 128).endswith("(GPU waiting): 2.500 ms")
