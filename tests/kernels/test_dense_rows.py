@@ -42,6 +42,17 @@ def _assert_lists(listed, flags):
     assert torch.equal(listed.rows[: expected.numel()].cpu(), expected)
 
 
+def _split_problem(gen, h=4096, d=512, r_cap=256):
+    """A split-product problem on the GPU: 200 listed rows of ``r_cap + 40``, two planes of fp32
+    coefficients ``[2, r_cap, h]`` and two ``[h, d]`` weights (16 splits at ``bh=16``)."""
+    flags = torch.zeros(r_cap + 40, dtype=torch.bool)
+    flags[torch.randperm(r_cap + 40, generator=gen)[:200]] = True
+    rows, n_dense = DR.dense_list(flags.cuda())
+    coef = torch.randn(2, r_cap, h, generator=gen).cuda()
+    weights = [torch.randn(h, d, generator=gen).cuda() for _ in range(2)]
+    return flags, rows, n_dense, coef, weights
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_lists_and_split_sums_by_the_last_program_at_scale():
@@ -59,12 +70,8 @@ def test_lists_and_split_sums_by_the_last_program_at_scale():
         flags, listed = DR.flag_rows(a, torch.tensor([0.0, 0.0, limit], device="cuda"), with_list=True)
         assert torch.equal(flags.cpu(), flagged), rep
         _assert_lists(listed, flagged)
-    h, d, r_cap = 4096, 512, 256
-    flags = torch.zeros(r_cap + 40, dtype=torch.bool)
-    flags[torch.randperm(r_cap + 40, generator=gen)[:200]] = True
-    rows, n_dense = DR.dense_list(flags.cuda())
-    coef = torch.randn(2, r_cap, h, generator=gen).cuda()
-    weights = [torch.randn(h, d, generator=gen).cuda() for _ in range(2)]
+    flags, rows, n_dense, coef, weights = _split_problem(gen)
+    h, d, r_cap = coef.shape[2], weights[0].shape[1], coef.shape[1]
     bias = torch.randn(d, generator=gen).cuda()
     assert DR.split_count(h, 16) == 16
     for _ in range(3):
@@ -294,12 +301,8 @@ def test_kept_tickets_on_two_streams_at_once():
     (16 splits a tile) and weight bounds queued on both streams with no sync between them give
     bitwise the results of fresh buffers, and leave both kept buffers zeroed."""
     gen = torch.Generator().manual_seed(12)
-    h, d, r_cap = 4096, 512, 256
-    flags = torch.zeros(r_cap + 40, dtype=torch.bool)
-    flags[torch.randperm(r_cap + 40, generator=gen)[:200]] = True
-    rows, n_dense = DR.dense_list(flags.cuda())
-    coef = torch.randn(2, r_cap, h, generator=gen).cuda()
-    weights = [torch.randn(h, d, generator=gen).cuda() for _ in range(2)]
+    flags, rows, n_dense, coef, weights = _split_problem(gen)
+    h, d, r_cap = coef.shape[2], weights[0].shape[1], coef.shape[1]
     wg, wu = (torch.randn(h, d, generator=gen).bfloat16().cuda() for _ in range(2))
     wd = torch.randn(d, h, generator=gen).bfloat16().cuda()
 
