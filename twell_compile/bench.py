@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
+import platform
 import statistics
 import sys
 import time
@@ -166,8 +168,6 @@ def cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or "unknown"
 
 
@@ -205,8 +205,6 @@ def host_step_ms(d: int, h: int, *, steps: int = 50, reps: int = 5) -> float:
 
 def host_line(d: int, h: int) -> str:
     """The benchmark's host line: CPU model, cores, and ``host_step_ms``."""
-    import os
-
     try:
         step = f"{host_step_ms(d, h):.3f} ms"
     except Exception as err:  # noqa: BLE001 - a report line: say what failed, keep the results
