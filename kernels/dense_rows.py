@@ -24,8 +24,8 @@ The lists and the split sums were launches of their own until session 21: on the
 step's host time measured the same without them (2.547 and 2.543 ms, in one process), since each
 now needed a zeroed ticket, a fill as costly on the host as a Triton launch; an inference call's fell
 from 0.601 to 0.576 ms, and each step has four fewer kernels (docs/benchmarks.md, session 21).
-Since session 22 the split sums' tickets are left at zero by their launch and, in the ops, come
-from one kept buffer per device and stream (``zeroed_scratch``), with no fill.
+Since session 22 the tickets are left at zero by their launch and, in the ops, come from one kept
+buffer per device and stream (``zeroed_scratch``), with no fill.
 
 Everything runs on the device from ``n_dense`` (an int32 ``[1]`` tensor): no host sync, CUDA-graph
 capturable. List positions past ``n_dense`` cost one early return per program.
@@ -299,7 +299,7 @@ def _norm_exceeds(t_ptr, bound_ptr, rows, r_ok, D, stride, BR: tl.constexpr, BK:
 def _flag_rows_kernel(
     # pointers
     a_ptr, a_bound_ptr, b_ptr, b_bound_ptr, count_ptr, flags_ptr, values_ptr, scratch_ptr,
-    ticket_ptr, list_ptr, ndense_ptr,
+    ticket_ptr, blk_ptr, list_ptr, ndense_ptr,
     # dimensions, row strides (elements)
     M, D, N_TILES, stride_a, stride_b,
     # meta-parameters
@@ -310,8 +310,9 @@ def _flag_rows_kernel(
     """``flag_rows`` for rows ``BR·pid ...``: norm tests of ``a`` (and ``b``), overflowed tiles of
     ``count``, this block's share of the call's record (``finish_call``), and with ``MARK`` the
     flagged rows with no overflowed tile marked overflowed (``count[r, 0] = SLOTS + 1``). With
-    ``LIST`` the last program to finish (``ticket [0]``, zeroed) lists every flagged row
-    (``_list_blocks``, from each program's count of them in ``ticket [1 + pid]``)."""
+    ``LIST`` the last program to finish (``ticket``, zeroed, and left zeroed) lists every flagged
+    row (``_list_blocks``, from each program's count of them in ``blk [pid]``, which every program
+    stores: never zeroed)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     r_ok = r < M
     rows = r.to(tl.int64)
@@ -333,15 +334,15 @@ def _flag_rows_kernel(
             flag = dense
     tl.store(flags_ptr + rows, flag.to(tl.uint8), mask=r_ok)
     if LIST:
-        tl.store(ticket_ptr + 1 + tl.program_id(0), tl.sum((flag & r_ok).to(tl.int32), axis=0))
-        if last_to_arrive(ticket_ptr, tl.num_programs(0), False):
-            _list_blocks(flags_ptr, ticket_ptr + 1, list_ptr, ndense_ptr, M, tl.num_programs(0), BR, CB, SUB)
+        tl.store(blk_ptr + tl.program_id(0), tl.sum((flag & r_ok).to(tl.int32), axis=0))
+        if last_to_arrive(ticket_ptr, tl.num_programs(0), True):
+            _list_blocks(flags_ptr, blk_ptr, list_ptr, ndense_ptr, M, tl.num_programs(0), BR, CB, SUB)
 
 
 def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] = None,
               b_bound: Optional[torch.Tensor] = None, count: Optional[torch.Tensor] = None, *, slots: int = 0,
               flag_overflow: bool = False, record: Optional[CallRecord] = None, mark: bool = False,
-              with_list: bool = False):
+              with_list: bool = False, reuse_tickets: bool = False):
     """bool ``[M]``: the rows to compute densely, in one launch (``reference.flag_rows_ref``).
 
     A row is flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32 norm; NaN and
@@ -352,7 +353,8 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
     ``count[r, 0] = slots + 1`` in place, so that whatever reads the counts next (the sparse
     kernels, a backward) computes it densely as an overflowed row, with no flags to carry.
     ``with_list``: return ``(flags, RowList)``, the list made by the launch's last program
-    (``dense_list``'s, without its launch). Bounds are fp32 ``[3]`` device tensors; no host sync.
+    (``dense_list``'s, without its launch), with ``reuse_tickets`` its ticket from a kept buffer
+    (``zeroed_scratch``). Bounds are fp32 ``[3]`` device tensors; no host sync.
     """
     if (b is None) != (b_bound is None):
         raise ValueError("flag_rows: pass b and b_bound together")
@@ -377,12 +379,13 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
     cnt = a_bound if count is None else count.contiguous()
     br = 16
     programs = cdiv(m, br)
-    # the ticket, then each program's flagged rows (one zeroed buffer: one fill, no view)
-    tickets = torch.zeros(1 + programs, dtype=torch.int32, device=a.device) if with_list else None
+    # the ticket (zeroed) and each program's count of flagged rows (stored by every program)
+    ticket = zeroed_scratch(1, a.device, reuse=reuse_tickets) if with_list else None
+    blk = torch.empty(programs, dtype=torch.int32, device=a.device) if with_list else None
     launch(_flag_rows_kernel, (programs,),
         a, a_bound, b, a_bound if b_bound is None else b_bound, cnt, flags.view(torch.uint8),
         a_bound if record is None else record.values, a_bound if record is None else record.scratch,
-        *((tickets, *listed) if with_list else (a_bound,) * 3),
+        *((ticket, blk, *listed) if with_list else (a_bound,) * 4),
         m, d, n_tiles, a.stride(0), b.stride(0),
         HAS_B=b_bound is not None, HAS_COUNT=count is not None, FLAG_OVERFLOW=flag_overflow,
         RECORD=record is not None, MARK=mark, LIST=with_list, FLAG=0.0 if record is None else float(record.flag),

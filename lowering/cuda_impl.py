@@ -529,7 +529,7 @@ def _guard_rows(x, wg, wu, wd, bg, bu, bd, count, record=None, *, keep: bool = T
 
     forward_bound, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
     return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record, mark=True,
-                     flag_overflow=True, with_list=True)
+                     flag_overflow=True, with_list=True, reuse_tickets=keep)
 
 
 def _backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, keep: bool = True):
@@ -541,4 +541,4 @@ def _backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, k
 
     _, backward_bound = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
     return flag_rows(dout, backward_bound, count=packed.count, slots=DEFAULT_LAYOUT.slots, flag_overflow=True,
-                     with_list=True)
+                     with_list=True, reuse_tickets=keep)

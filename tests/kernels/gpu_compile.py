@@ -47,7 +47,7 @@ D, SLOTS, TILE_N, NT_P2 = 2048, 16, 128, 64
 
 # Pointer arguments that are not of the FFN's dtype (the rest are).
 F32 = {"val_ptr", "up_ptr", "coef_ptr", "hid_ptr", "part_ptr", "psum_ptr", "dh_ptr", "scale_ptr"}
-I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr", "ticket_ptr", "tickets_ptr"}
+I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr", "ticket_ptr", "tickets_ptr", "blk_ptr"}
 U8 = {"whole_ptr"}
 # Integer arguments that are multiples of 16 at the benchmark shape (M = 16384, D, H).
 _SIXTEEN_SIZES = {"M", "D", "H", "K", "N"}

@@ -242,16 +242,19 @@ def test_scratch_capacity_covers_the_budget_and_the_dispatch_limit():
 
 
 def test_kept_tickets_are_left_zeroed_and_change_nothing():
-    """With ``reuse_tickets`` the split sums of ``scratch_product`` and ``guard_bounds`` take
-    their tickets and counters from the kept buffer (``zeroed_scratch``): each launch, twice over,
-    gives bitwise the results of a fresh zeroed buffer and leaves the kept one all zeros (the next
-    launch on the stream relies on it)."""
+    """With ``reuse_tickets`` the list of ``flag_rows``, the split sums of ``scratch_product`` and
+    ``guard_bounds`` take their tickets and counters from the kept buffer (``zeroed_scratch``):
+    each launch, twice over, gives bitwise the results of a fresh zeroed buffer and leaves the
+    kept one all zeros (the next launch on the stream relies on it)."""
     gen = torch.Generator().manual_seed(11)
     dev = torch.device(DEV)
     kept = DR.zeroed_scratch(1, dev, reuse=True)
     assert DR.zeroed_scratch(1, dev, reuse=True) is kept and not kept.any()
     assert DR.zeroed_scratch(1, dev, reuse=False) is not kept
 
+    a = torch.randn(70, 12, generator=gen)
+    a[[3, 40, 41, 69]] = float("nan")  # flagged rows in several programs
+    bound = torch.tensor([1.0, 0.0, 1e30]).to(DEV)
     m, d, h, r_cap = 40, 24, 200, 32  # two H splits (test_scratch_product_matches_float64)
     rows, n_dense = DR.dense_list((torch.arange(m) % 7 == 0).to(DEV))
     coef = torch.randn(2, r_cap, h, generator=gen).to(DEV)
@@ -260,10 +263,12 @@ def test_kept_tickets_are_left_zeroed_and_change_nothing():
     wd, bu = torch.randn(d, h, generator=gen).to(DEV), torch.randn(h, generator=gen).to(DEV)
 
     def run(reuse):
+        flags, listed = DR.flag_rows(a.to(DEV), bound, with_list=True, reuse_tickets=reuse)
         dst = torch.zeros(m, d, device=DEV)
         DR.scratch_product(coef, rows, n_dense, weights, dst, split=False, bh=16, bd=16, warps=4,
                            reuse_tickets=reuse)
-        return [dst, *W.guard_bounds(wg, wu, wd, None, bu, None, reuse_tickets=reuse)]
+        return [flags, listed.rows[: int(listed.n_dense)], dst,
+                *W.guard_bounds(wg, wu, wd, None, bu, None, reuse_tickets=reuse)]
 
     fresh = run(False)
     for _ in range(2):
