@@ -9,10 +9,11 @@
   weight and bias is finite. One launch reads each weight once (norms as fp32 sums of squares,
   reduced across programs with atomic maxima) and its last program turns them into bounds.
 
-Both run again whenever a weight changes (an optimizer step, or every replay of a CUDA graph,
-where no host code runs to notice), so their cost is paid per training step. On the H200 at D=2048,
-H=5632 (bf16): the transpose 33 µs against 79 µs for PyTorch's strided copy, the bounds 0.08–0.09
-ms against 0.47–0.58 ms for the ~10 tensor ops they replaced (docs/benchmarks.md, session 12).
+``weight_prep`` makes both in one launch (the ops use it). They run again whenever a weight
+changes (an optimizer step, or every replay of a CUDA graph, where no host code runs to notice),
+so their cost is paid per training step. On the H200 at D=2048, H=5632 (bf16): the transpose 33 µs
+against 79 µs for PyTorch's strided copy, the bounds 0.08–0.09 ms against 0.47–0.58 ms for the ~10
+tensor ops they replaced (docs/benchmarks.md, session 12).
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def transposed(t: torch.Tensor) -> torch.Tensor:
 
 
 @jit_helper
-def _block_facts(ptr, j, j_ok, K, stride_j, stride_k, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+def _block_facts(ptr, j, j_ok, K, stride_j, stride_k, out_ptr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                 STORE: tl.constexpr):
     """``(max over the block of Σ_k w[j, k]², any non-finite)`` for vectors ``j`` of ``w``, each
-    reduced over ``K`` elements; NaN sums become +Inf so the atomic maximum stays ordered."""
+    reduced over ``K`` elements; NaN sums become +Inf so the atomic maximum stays ordered. With
+    ``STORE``, the vectors are also written as contiguous rows of ``out [*, K]``."""
     k = tl.arange(0, CHUNK)
     # Element-wise partial sums, reduced once at the end: a reduction per step put its shuffles
     # between one step's loads and the next (47 us for the 2B shape's three weights on the H200,
@@ -72,7 +75,10 @@ def _block_facts(ptr, j, j_ok, K, stride_j, stride_k, ROWS: tl.constexpr, CHUNK:
     for k0 in range(0, K, CHUNK):
         kk = k0 + k
         ok = j_ok[:, None] & (kk < K)[None, :]
-        v = tl.load(ptr + j[:, None] * stride_j + kk[None, :] * stride_k, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(ptr + j[:, None] * stride_j + kk[None, :] * stride_k, mask=ok, other=0.0)
+        if STORE:
+            tl.store(out_ptr + j[:, None] * K + kk[None, :], v, mask=ok)
+        v = v.to(tl.float32)
         sq += v * v
         bad = tl.maximum(bad, ((v - v) != 0).to(tl.int32))  # NaN exactly for NaN and Inf
     sq = tl.sum(sq, axis=1)
@@ -89,27 +95,30 @@ def _any_nonfinite(v):
 
 @triton.jit
 def _weight_facts_kernel(
-    wu_ptr, wd_ptr, wg_ptr, bg_ptr, bu_ptr, bd_ptr, facts_ptr, fwd_ptr, bwd_ptr,
+    wu_ptr, wd_ptr, wg_ptr, bg_ptr, bu_ptr, bd_ptr, facts_ptr, fwd_ptr, bwd_ptr, wdt_ptr,
     H, D, stride_wu, stride_wd_j, stride_wd_k, stride_wg,
     LIMIT: tl.constexpr, GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    ROWS: tl.constexpr, CHUNK: tl.constexpr,
+    STORE_WDT: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Program ``(b, w)``: vectors ``b·ROWS ...`` of weight ``w`` (0: rows of Wu, 1: columns of Wd,
     2: rows of Wg, 3: the biases, split the same way), folded into the zeroed int32 ``facts`` by
     atomic maxima (of fp32 bit patterns: non-negative floats order as integers); the last program
-    to arrive (a ticket) turns them into the ``[3]`` bounds."""
+    to arrive (a ticket) turns them into the ``[3]`` bounds. With ``STORE_WDT`` the programs of
+    Wd's columns also write them as the rows of ``wdt [H, D]`` (``transposed``'s copy, in the same
+    pass)."""
     which = tl.program_id(1)
     j = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     bad = tl.full([], 0, tl.int32)
     if which == 0:
-        sq, bad = _block_facts(wu_ptr, j.to(tl.int64), j < H, D, stride_wu, 1, ROWS, CHUNK)
+        sq, bad = _block_facts(wu_ptr, j.to(tl.int64), j < H, D, stride_wu, 1, wdt_ptr, ROWS, CHUNK, False)
         tl.atomic_max(facts_ptr + _UP, sq.to(tl.int32, bitcast=True))
     elif which == 1:
-        sq, bad = _block_facts(wd_ptr, j.to(tl.int64), j < H, D, stride_wd_j, stride_wd_k, ROWS, CHUNK)
+        sq, bad = _block_facts(wd_ptr, j.to(tl.int64), j < H, D, stride_wd_j, stride_wd_k, wdt_ptr, ROWS, CHUNK,
+                               STORE_WDT)
         tl.atomic_max(facts_ptr + _DOWN, sq.to(tl.int32, bitcast=True))
     elif which == 2:
         if GATED:
-            sq, bad = _block_facts(wg_ptr, j.to(tl.int64), j < H, D, stride_wg, 1, ROWS, CHUNK)
+            sq, bad = _block_facts(wg_ptr, j.to(tl.int64), j < H, D, stride_wg, 1, wdt_ptr, ROWS, CHUNK, False)
     else:
         if HAS_BG:
             bad = tl.maximum(bad, _any_nonfinite(tl.load(bg_ptr + j, mask=j < H, other=0.0)))
@@ -155,6 +164,18 @@ def guard_bounds(wg: Optional[torch.Tensor], wu: torch.Tensor, wd: torch.Tensor,
     buffer that it leaves zeroed (``zeroed_scratch``: kept with ``reuse_tickets``, else a fill);
     no host sync.
     """
+    forward, backward, _ = weight_prep(wg, wu, wd, bg, bu, bd, reuse_tickets=reuse_tickets)
+    return forward, backward
+
+
+def weight_prep(wg: Optional[torch.Tensor], wu: torch.Tensor, wd: torch.Tensor, bg: Optional[torch.Tensor],
+                bu: Optional[torch.Tensor], bd: Optional[torch.Tensor], *, reuse_tickets: bool = False,
+                down_rows: bool = False):
+    """``(forward, backward, wd_rows)``: ``guard_bounds``' two bounds and, with ``down_rows``, ``Wdᵀ``
+    for the sparse kernels as ``transposed(wd).t()`` would give it (``wd`` itself when ``wd.t()``
+    is already contiguous), made in the same pass: the programs that read Wd's columns for their
+    norms write them as rows too. One launch where the bounds and ``transposed`` took two, and Wd
+    is read once. ``wd_rows`` is None without ``down_rows``."""
     gated = wg is not None
     h, d = wu.shape
     dev = wu.device
@@ -164,11 +185,14 @@ def guard_bounds(wg: Optional[torch.Tensor], wu: torch.Tensor, wd: torch.Tensor,
     bounds = torch.empty(2, 3, dtype=torch.float32, device=dev)
     wu_ = wu if wu.stride(1) == 1 else wu.contiguous()
     wg_ = (wg if wg.stride(1) == 1 else wg.contiguous()) if gated else wu_
+    store = down_rows and not wd.t().is_contiguous()
+    wdt = torch.empty(h, d, dtype=wd.dtype, device=dev) if store else bounds
     launch(_weight_facts_kernel, (max(1, cdiv(max(h, d), _ROWS)), 4),
         wu_, wd, wg_, bg if bg is not None else bounds, bu if bu is not None else bounds,
-        bd if bd is not None else bounds, facts, bounds[0], bounds[1],
+        bd if bd is not None else bounds, facts, bounds[0], bounds[1], wdt,
         h, d, wu_.stride(0), wd.stride(1), wd.stride(0), wg_.stride(0),
         LIMIT=torch.finfo(wu.dtype).max, GATED=gated, HAS_BG=bg is not None, HAS_BU=bu is not None,
-        HAS_BD=bd is not None, ROWS=_ROWS, CHUNK=_CHUNK, num_warps=4,
+        HAS_BD=bd is not None, STORE_WDT=store, ROWS=_ROWS, CHUNK=_CHUNK, num_warps=4,
     )
-    return bounds[0], bounds[1]
+    wd_rows = (wdt.t() if store else wd) if down_rows else None
+    return bounds[0], bounds[1], wd_rows

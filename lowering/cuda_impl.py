@@ -343,50 +343,19 @@ def _state_key(t: torch.Tensor) -> Optional[tuple]:
         return None
 
 
-class _DownRows:
-    """``Wdᵀ`` as a contiguous ``[H, D]`` copy, kept per down weight while it is unchanged.
-
-    The sparse kernels read columns of ``Wd`` as rows. The copy (``weights.transposed``, a tiled
-    transpose) is made again after every change of the weight: each optimizer step, and on every
-    call under CUDA-graph capture, for inference-mode tensors (no version counter), where nothing
-    can notice a change, and with ``keep=False`` (layers compiled for CUDA graphs). One copy per
-    weight is kept (the reference implementation keeps the same), keyed by the tensor itself, its
-    shape and its in-place version counter, and freed with the weight.
-    """
-
-    _cache: "dict[int, tuple]" = {}
-
-    @classmethod
-    def get(cls, wd: torch.Tensor, *, keep: bool = True) -> torch.Tensor:
-        from twell_compile.kernels.weights import transposed
-
-        if wd.t().is_contiguous():
-            return wd
-        state = _state_key(wd)
-        if state is None or not keep or _capturing():
-            return transposed(wd).t()
-        key = id(wd)
-        hit = cls._cache.get(key)
-        if hit is not None and hit[0]() is wd and hit[1] == state:
-            return hit[2]
-        rows = transposed(wd).t()
-        cls._cache[key] = (weakref.ref(wd, lambda _, k=key: cls._cache.pop(k, None)), state, rows)
-        return rows
-
-
 def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
                     record=None, *, keep: bool = True) -> reference.ForwardResult:
     """The sparse path. ``record`` (telemetry's ``call_record``) receives the active entries and
     the rows computed densely. ``dense_rows`` of the result is computed only with ``want_l1``
     (the L1 value needs it); it is None otherwise. ``keep=False``: cache nothing per weight
-    (``_DownRows``, ``_WeightFacts``): layers compiled for CUDA graphs."""
+    (``_WeightPrep``): layers compiled for CUDA graphs."""
     from twell_compile.kernels.gate_pack import gate_pack
     from twell_compile.kernels.sparse_ffn import sparse_ffn
 
     gated = wg is not None
     packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
     whole, listed = _guard_rows(x2d, wg, wu, wd, bg, bu, bd, packed.count, record, keep=keep)
-    wd_rows = _DownRows.get(wd, keep=keep)
+    wd_rows = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)[2]
     rows = dict(dense_rows=whole, row_list=listed, wg=wg, bg=bg)
     if training:  # the backward needs the up values at the stored pairs
         out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows, return_up=True, reuse_tickets=keep)
@@ -417,7 +386,8 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     # last measured call had enough of them; the same result either way.
     policy = None if layer is None else _policy(layer, x2d.device, create=False)
     gemm = policy is not None and policy.expects_dense_rows(x2d.shape[0], DENSE_WGRAD_GEMM_ROWS)
-    args = (dout2d, x2d, wg, wu, _DownRows.get(wd, keep=keep), bg, bu, bd, packed, up_val, dense_rows, l1_scale)
+    args = (dout2d, x2d, wg, wu, _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)[2], bg, bu, bd, packed, up_val,
+            dense_rows, l1_scale)
     grads = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm, row_list=listed, reuse_tickets=keep)
     signature = ("backward", *_signature(x2d, wg, wu, bg, bu, bd, True))
     if not _capturing() and signature not in _WARM:
@@ -484,36 +454,39 @@ def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> re
 # ---------------------------------------------------------------------------------------------
 
 
-class _WeightFacts:
-    """Per-call facts about the weights, cached while the weights are unchanged: the guard's
-    bounds for ``dense_rows.flag_rows`` (``weights.guard_bounds``, one pass over the weights).
+class _WeightPrep:
+    """The per-weight work, cached while the weights are unchanged: the guard's bounds for
+    ``dense_rows.flag_rows`` and ``Wdᵀ`` rows for the sparse kernels (which read columns of Wd as
+    rows), made by one launch (``weights.weight_prep``).
 
-    The key holds each tensor's ``_state_key`` (storage pointer and in-place version counter), so an
-    optimizer step invalidates it. Under CUDA-graph capture nothing is cached: the facts
-    are recomputed inside the graph, so replays see the weights of their own step. Nor for
-    ``keep=False`` (layers compiled for CUDA graphs, whose warm-up runs in the graphs' memory pool,
-    where a kept tensor is an error).
+    Made again after every change of a weight (each optimizer step bumps its in-place version
+    counter), on every call under CUDA-graph capture (replays then see the weights of their own
+    step), for inference-mode tensors (no version counter), where nothing can notice a change,
+    and with ``keep=False`` (layers compiled for CUDA graphs, whose warm-up runs in the graphs'
+    memory pool, where a kept tensor is an error). One entry per down weight, as its ``Wdᵀ`` copy
+    is as large as the weight: keyed by the tensor itself and the state (``_state_key``) of all
+    six tensors, and freed with the weight.
     """
 
-    _cache: "OrderedDict[tuple, tuple]" = OrderedDict()
+    _cache: "dict[int, tuple]" = {}
 
     @classmethod
     def get(cls, wg, wu, wd, bg, bu, bd, *, keep: bool = True):
-        from twell_compile.kernels.weights import guard_bounds
+        """``(forward bound, backward bound, wd_rows)`` (``weights.weight_prep``)."""
+        from twell_compile.kernels.weights import weight_prep
 
         tensors = (wg, wu, wd, bg, bu, bd)
-        states = [None if t is None else _state_key(t) for t in tensors]
-        uncachable = not keep or any(t is not None and k is None for t, k in zip(tensors, states))
-        key = None if uncachable else tuple(states)
-        capturing = key is None or _capturing()
-        if not capturing and key in cls._cache:
-            return cls._cache[key]
-        facts = guard_bounds(wg, wu, wd, bg, bu, bd, reuse_tickets=keep)
-        if not capturing:
-            cls._cache[key] = facts
-            while len(cls._cache) > 256:
-                cls._cache.popitem(last=False)
-        return facts
+        states = tuple(None if t is None else _state_key(t) for t in tensors)
+        cachable = keep and not _capturing() and all(t is None or k is not None for t, k in zip(tensors, states))
+        key = id(wd)
+        if cachable:
+            hit = cls._cache.get(key)
+            if hit is not None and hit[0]() is wd and hit[1] == states:
+                return hit[2]
+        prep = weight_prep(wg, wu, wd, bg, bu, bd, reuse_tickets=keep, down_rows=True)
+        if cachable:
+            cls._cache[key] = (weakref.ref(wd, lambda _, k=key: cls._cache.pop(k, None)), states, prep)
+        return prep
 
 
 def _guard_rows(x, wg, wu, wd, bg, bu, bd, count, record=None, *, keep: bool = True):
@@ -527,7 +500,7 @@ def _guard_rows(x, wg, wu, wd, bg, bu, bd, count, record=None, *, keep: bool = T
     """
     from twell_compile.kernels.dense_rows import flag_rows
 
-    forward_bound, _ = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
+    forward_bound = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)[0]
     return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record, mark=True,
                      flag_overflow=True, with_list=True, reuse_tickets=keep)
 
@@ -539,6 +512,6 @@ def _backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, k
     or, gated, whose ``dh = dout·Wd`` may overflow."""
     from twell_compile.kernels.dense_rows import flag_rows
 
-    _, backward_bound = _WeightFacts.get(wg, wu, wd, bg, bu, bd, keep=keep)
+    backward_bound = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)[1]
     return flag_rows(dout, backward_bound, count=packed.count, slots=DEFAULT_LAYOUT.slots, flag_overflow=True,
                      with_list=True, reuse_tickets=keep)

@@ -197,11 +197,12 @@ def variants(arch: str, full: bool):
         if gated:
             yield f"transpose {TY[dtype]}", (lambda dtype=dtype: compile_kernel(
                 W._transpose_kernel, target, dtype, dict(TILE=W._TILE)))
-        yield f"weight_facts {tag}", (lambda dtype=dtype, gated=gated: compile_kernel(
-            W._weight_facts_kernel, target, dtype,
-            dict(stride_wd_j=1, LIMIT=torch.finfo(dtype).max, GATED=gated, HAS_BG=gated, HAS_BU=True, HAS_BD=True,
-                 ROWS=W._ROWS, CHUNK=W._CHUNK),
-            {"facts_ptr": "*i32", "fwd_ptr": "*fp32", "bwd_ptr": "*fp32"}))
+        for store in (False, True):  # guard_bounds alone; weight_prep with the Wdᵀ rows (the ops')
+            yield f"weight_facts {tag} store_wdt={store}", (lambda dtype=dtype, gated=gated, store=store: compile_kernel(
+                W._weight_facts_kernel, target, dtype,
+                dict(stride_wd_j=1, LIMIT=torch.finfo(dtype).max, GATED=gated, HAS_BG=gated, HAS_BU=True,
+                     HAS_BD=True, STORE_WDT=store, ROWS=W._ROWS, CHUNK=W._CHUNK),
+                {"facts_ptr": "*i32", "fwd_ptr": "*fp32", "bwd_ptr": "*fp32"}))
 
         # Backward.
         for place in (False, True):

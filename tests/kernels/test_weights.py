@@ -1,5 +1,5 @@
-"""kernels/weights.py: ``Wdᵀ`` rows by a tiled transpose, and the guard's bounds (one pass over
-the weights).
+"""kernels/weights.py: ``Wdᵀ`` rows by a tiled transpose, the guard's bounds (one pass over
+the weights), and both in one pass (``weight_prep``).
 
 Oracles: ``t.t().contiguous()`` (bitwise) for ``transposed``; ``reference.guard_bounds_ref`` for
 ``guard_bounds``: the same finiteness offset and limit exactly, the norms to fp32 summation order.
@@ -76,6 +76,25 @@ def test_guard_bounds_match_the_reference(d, h, dtype, seed, gated, biases):
     _assert_bounds_match(W.guard_bounds(*w), R.guard_bounds_ref(*w))
 
 
+@settings(max_examples=8, deadline=None)
+@given(d=st.integers(1, 80), h=st.integers(1, 80), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
+       gated=st.booleans(), as_view=st.booleans())
+@example(d=64, h=64, dtype=torch.bfloat16, seed=0, gated=True, as_view=False)
+def test_weight_prep_is_the_bounds_and_the_transpose_in_one_pass(d, h, dtype, seed, gated, as_view):
+    """``weight_prep``'s bounds are ``guard_bounds``' bitwise, and its ``Wdᵀ`` rows are
+    ``transposed``'s (``wd`` itself when it already is a view of ``[H, D]`` rows)."""
+    wg, wu, wd, bg, bu, bd = _weights(d, h, dtype, seed, gated)
+    if as_view:
+        wd = wd.t().contiguous().t()
+    fwd, bwd, rows = W.weight_prep(wg, wu, wd, bg, bu, bd, down_rows=True)
+    want = W.guard_bounds(wg, wu, wd, bg, bu, bd)
+    assert torch.equal(fwd, want[0]) and torch.equal(bwd, want[1])
+    assert rows.shape == wd.shape and rows.t().is_contiguous() and torch.equal(rows, wd)
+    if as_view:
+        assert rows is wd
+    assert W.weight_prep(wg, wu, wd, bg, bu, bd)[2] is None
+
+
 @pytest.mark.parametrize("name", ["wg", "wu", "wd", "bg", "bu", "bd"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_a_non_finite_weight_or_bias_sends_every_row_dense(name, value):
@@ -106,3 +125,6 @@ def test_gpu_benchmark_shape():
     w = _weights(2048, 5632, torch.bfloat16, 3)
     assert torch.equal(W.transposed(w[2]), w[2].t().contiguous())
     _assert_bounds_match(W.guard_bounds(*w), R.guard_bounds_ref(*w))
+    fwd, bwd, rows = W.weight_prep(*w, down_rows=True)
+    assert torch.equal(rows.t(), w[2].t().contiguous())
+    _assert_bounds_match((fwd, bwd), R.guard_bounds_ref(*w))

@@ -155,16 +155,26 @@ def test_saved_activations_are_popped_once_and_not_kept_under_saved_tensor_hooks
     assert count.data_ptr() not in cuda_impl._DENSE_SAVED
 
 
-def test_down_rows_copy_is_kept_until_the_weight_changes():
-    wd = torch.randn(6, 10)
-    first = cuda_impl._DownRows.get(wd)
-    assert first.t().is_contiguous() and torch.equal(first, wd)
-    assert cuda_impl._DownRows.get(wd) is first
+def test_weight_prep_is_kept_until_a_weight_changes():
+    """The bounds and the ``Wdᵀ`` rows come from one launch, kept per down weight while no weight
+    changes (any of them: the bounds depend on all), and match ``guard_bounds`` and
+    ``transposed``."""
+    from twell_compile.kernels.weights import guard_bounds, transposed
+
+    _, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
+    first = cuda_impl._WeightPrep.get(wg, wu, wd, None, bu, bd)
+    fwd, bwd = guard_bounds(wg, wu, wd, None, bu, bd)
+    assert torch.equal(first[0], fwd) and torch.equal(first[1], bwd)
+    assert first[2].t().is_contiguous() and torch.equal(first[2].t(), transposed(wd))
+    assert cuda_impl._WeightPrep.get(wg, wu, wd, None, bu, bd) is first
     wd.mul_(2)  # in-place update: version bump
-    second = cuda_impl._DownRows.get(wd)
-    assert second is not first and torch.equal(second, wd)
-    rows = torch.randn(10, 6)
-    assert cuda_impl._DownRows.get(rows.t()).data_ptr() == rows.data_ptr()  # already Wdᵀ-major: no copy
+    second = cuda_impl._WeightPrep.get(wg, wu, wd, None, bu, bd)
+    assert second is not first and torch.equal(second[2], wd)
+    wu.mul_(2)
+    third = cuda_impl._WeightPrep.get(wg, wu, wd, None, bu, bd)
+    assert third is not second and torch.equal(third[2], second[2]) and not torch.equal(third[0], second[0])
+    rows = torch.randn(wd.shape[1], wd.shape[0])
+    assert cuda_impl._WeightPrep.get(wg, wu, rows.t(), None, bu, bd)[2].data_ptr() == rows.data_ptr()  # no copy
 
 
 def test_token_thresholds_in_and_out_of_capture(monkeypatch):
@@ -197,8 +207,7 @@ def test_a_cuda_graph_warm_up_tunes_the_sparse_kernels_only_for_a_sparse_layer(m
     layer = 4_242
     monkeypatch.setattr(cuda_impl, "_WARM", set())
     monkeypatch.setattr(cuda_impl, "_CUDA_GRAPH_LAYERS", {layer})
-    monkeypatch.setattr(cuda_impl._DownRows, "_cache", {})
-    monkeypatch.setattr(cuda_impl._WeightFacts, "_cache", cuda_impl.OrderedDict())
+    monkeypatch.setattr(cuda_impl._WeightPrep, "_cache", {})
     x, wg, wu, wd, bg, bu, bd = _ffn(dtype=torch.float32)
     policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)  # no pinned buffer on a CPU machine
     policy.event, policy.measured, policy.dense_row_fraction = None, True, 0.0
@@ -219,7 +228,7 @@ def test_a_cuda_graph_warm_up_tunes_the_sparse_kernels_only_for_a_sparse_layer(m
         monkeypatch.setattr(cuda_impl, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0])
         prepare(False)
         assert cuda_impl._warm(sig)
-    assert cuda_impl._DownRows._cache == {} and len(cuda_impl._WeightFacts._cache) == 0
+    assert cuda_impl._WeightPrep._cache == {}
 
     # A new layer of a tuned problem: its first counters are read on its warm-up call, so that the
     # capture that follows (which cannot read them) knows the layer is sparse.

@@ -120,12 +120,13 @@ def test_timed_training_steps_invalidate_the_ops_weight_caches():
     timed every step, as in real training; the values stay the same."""
     from twell_compile.lowering import cuda_impl
 
+    wu = torch.randn(24, 8, requires_grad=True)
     wd = torch.randn(8, 24, requires_grad=True)
     before = wd.detach().clone()
-    first = cuda_impl._DownRows.get(wd)
-    assert cuda_impl._DownRows.get(wd) is first, "cached while the weight is unchanged"
+    first = cuda_impl._WeightPrep.get(None, wu, wd, None, None, None)[2]
+    assert cuda_impl._WeightPrep.get(None, wu, wd, None, None, None)[2] is first, "cached while unchanged"
     bench.weights_updated([wd])
-    second = cuda_impl._DownRows.get(wd)
+    second = cuda_impl._WeightPrep.get(None, wu, wd, None, None, None)[2]
     assert second is not first and torch.equal(second, first)
     assert torch.equal(wd.detach(), before)
 
