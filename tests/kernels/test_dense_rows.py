@@ -303,18 +303,25 @@ def test_kept_tickets_are_one_buffer_per_stream_and_bounded():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_kept_tickets_on_two_streams_at_once():
     """Launches on two streams at once each take their own stream's kept buffer: many split sums
-    (16 splits a tile) and weight bounds queued on both streams with no sync between them give
-    bitwise the results of fresh buffers, and leave both kept buffers zeroed."""
+    (16 splits a tile), lists of 65,536-row guards and weight bounds queued on both streams with
+    no sync between them give bitwise the results of fresh buffers, and leave both kept buffers
+    zeroed."""
     gen = torch.Generator().manual_seed(12)
     flags, rows, n_dense, coef, weights = _split_problem(gen)
     h, d, r_cap = coef.shape[2], weights[0].shape[1], coef.shape[1]
     wg, wu = (torch.randn(h, d, generator=gen).bfloat16().cuda() for _ in range(2))
     wd = torch.randn(d, h, generator=gen).bfloat16().cuda()
 
+    a = torch.randn(65536, 64, generator=gen).cuda()
+    a[torch.rand(65536, generator=gen).cuda() < 0.3, 0] = float("nan")
+    bound = torch.tensor([0.0, 0.0, float(torch.finfo(torch.float32).max)], device="cuda")
+
     def run(reuse):
         dst = torch.zeros(r_cap + 40, d, device="cuda")
         DR.scratch_product(coef, rows, n_dense, weights, dst, split=False, bh=16, bd=64, warps=4, reuse_tickets=reuse)
-        return [dst, *W.guard_bounds(wg, wu, wd, None, None, None, reuse_tickets=reuse)]
+        flags, listed = DR.flag_rows(a, bound, with_list=True, reuse_tickets=reuse)
+        return [dst, flags, listed.rows, listed.n_dense, *W.guard_bounds(wg, wu, wd, None, None, None,
+                                                                        reuse_tickets=reuse)]
 
     fresh = run(False)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
