@@ -66,6 +66,10 @@ class Row:
     heavy_rows: int = 0  # tokens active on ~all neurons (rows the sparse path computes densely)
     overflow_rows: int = 0  # tokens active on every neuron of `overflow_tiles` TwELL tiles
     overflow_tiles: int = 0
+    # ``--graphs``: dense eager and the TwELL op, each captured in one CUDA graph (NaN if not measured)
+    dense_graphed_ms: float = float("nan")
+    twell_graphed_ms: float = float("nan")
+    speedup_graphed: float = float("nan")
 
     @property
     def label(self) -> str:
@@ -234,6 +238,22 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, call
     return statistics.median(times)
 
 
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured in one CUDA graph; returns its replay. Warm-up calls run first on a side
+    stream (as ``torch.cuda.graphs`` asks), which also tunes and compiles every kernel. A replay
+    costs the host one launch, so the GPU's time is all that is timed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -253,8 +273,23 @@ def _forced(path: Optional[str]):
     cuda_impl.FORCE_PATH = path
 
 
+def _graphed_ms(dense: Callable[[], object], twell: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Dense and TwELL times, each provider captured in a CUDA graph; NaN, with the reason on
+    stderr, if a capture fails (the other columns stand)."""
+    try:
+        times = []
+        for fn in (dense, twell):
+            replay = graphed(fn)
+            times.append(median_ms(replay, reps=reps))
+            del replay
+        return times[0], times[1]
+    except Exception as err:  # noqa: BLE001 - a report column: say what failed, keep the point
+        print(f"twell bench: CUDA-graph timing failed ({type(err).__name__}: {err})", file=sys.stderr)
+        return float("nan"), float("nan")
+
+
 def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sparse_train_density, l1_coeff=2e-5,
-                heavy_rows: int = 0, overflow_rows: int = 0, overflow_tiles: int = 2) -> Row:
+                heavy_rows: int = 0, overflow_rows: int = 0, overflow_tiles: int = 2, graphs: bool = False) -> Row:
     x, wg, wu, wd = make_problem(m, d, h, density, skewed=skewed, heavy_rows=heavy_rows, overflow_rows=overflow_rows,
                                  overflow_tiles=overflow_tiles)
     with torch.no_grad():
@@ -268,6 +303,7 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
         _forced(None)
     err_twell, err_dense = rel_error(twell_out, ref), rel_error(dense_out, ref)
     del ref, dense_out, twell_out
+    g_dense = g_twell = float("nan")
     compiled = compiled_cache.setdefault(("train" if train else "infer"), torch.compile(dense_train_step if train else dense_ffn))
     if not train:
         with torch.no_grad():
@@ -277,6 +313,9 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
             _forced("sparse")
             t_sparse = median_ms(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_001), reps=reps)
             _forced(None)
+            if graphs:
+                g_dense, g_twell = _graphed_ms(lambda: dense_ffn(x, wg, wu, wd),
+                                               lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000), reps)
         mem_dense = mem_twell = float("nan")
     else:
         params = [t.detach().requires_grad_() for t in (x, wg, wu, wd)]
@@ -287,6 +326,9 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
         t_comp = median_ms(lambda: (compiled(*params, dout, l1_coeff), weights_updated(weights)), reps=reps)
         t_twell = median_ms(lambda: (twell_train_step(*params, dout, coeff), weights_updated(weights)), reps=reps)
         mem_dense = peak_mb(lambda: dense_train_step(*params, dout, l1_coeff))
+        if graphs:
+            g_dense, g_twell = _graphed_ms(lambda: dense_train_step(*params, dout, l1_coeff),
+                                           lambda: twell_train_step(*params, dout, coeff), reps)
         t_sparse = mem_twell = float("nan")
         if measured <= max_sparse_train_density:  # the forced sparse backward is slow when dense
             _forced("sparse")
@@ -297,12 +339,21 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
     return Row(
         "training" if train else "inference", m, d, h, "skewed" if skewed else "uniform", density, measured, measured * h,
         t_eager, t_comp, t_twell, t_sparse, t_eager / t_twell, t_comp / t_twell, t_eager / t_sparse, err_twell, err_dense, mem_dense, mem_twell,
-        heavy_rows, overflow_rows, overflow_tiles if overflow_rows else 0,
+        heavy_rows, overflow_rows, overflow_tiles if overflow_rows else 0, g_dense, g_twell, g_dense / g_twell,
     )
+
+
+def _graph_columns(r: Row) -> str:
+    if math.isnan(r.twell_graphed_ms):
+        return f" {'-':>15} {'-':>7}"
+    return f" {f'{r.dense_graphed_ms:.3f}/{r.twell_graphed_ms:.3f}':>15} {r.speedup_graphed:>6.2f}x"
 
 
 def print_table(rows: list[Row], file=sys.stdout) -> None:
     header = f"{'mode':<9} {'M':>6} {'variant':<16} {'density':>7} {'act/tok':>7} {'eager ms':>8} {'compiled':>8} {'twell op':>8} {'x eager':>7} {'x comp':>7} {'sparse ms':>9} {'x eager':>7} {'err sparse':>10} {'err dense':>9} {'mem d/s MB':>13}"
+    graphs = any(not math.isnan(r.twell_graphed_ms) for r in rows)
+    if graphs:
+        header += f" {'graphs d/t ms':>15} {'x graph':>7}"
     print(header, file=file)
     print("-" * len(header), file=file)
     for r in rows:
@@ -310,7 +361,8 @@ def print_table(rows: list[Row], file=sys.stdout) -> None:
         print(
             f"{r.mode:<9} {r.m:>6} {r.label:<16} {r.measured_density:>7.2%} {r.active_per_token:>7.1f} {r.dense_eager_ms:>8.3f} {r.dense_compiled_ms:>8.3f} "
             f"{r.twell_ms:>8.3f} {r.speedup_vs_eager:>6.2f}x {r.speedup_vs_compiled:>6.2f}x {r.twell_sparse_ms:>9.3f} {r.sparse_speedup_vs_eager:>6.2f}x "
-            f"{r.rel_err_twell:>10.2e} {r.rel_err_dense:>9.2e} {mem:>13}",
+            f"{r.rel_err_twell:>10.2e} {r.rel_err_dense:>9.2e} {mem:>13}"
+            + (_graph_columns(r) if graphs else ""),
             file=file,
         )
 
@@ -338,9 +390,13 @@ def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
     groups = sorted({(r.mode, r.m, r.label) for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, m, variant in groups:
-        pts = sorted((r.measured_density, r.speedup_vs_eager, r.sparse_speedup_vs_eager) for r in rows if (r.mode, r.m, r.label) == (mode, m, variant))
+        pts = sorted((r.measured_density, r.speedup_vs_eager, r.sparse_speedup_vs_eager, r.speedup_graphed) for r in rows if (r.mode, r.m, r.label) == (mode, m, variant))
         line = ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=f"twell op: {mode}, M={m}, {variant}")[0]
         ax.plot([p[0] * 100 for p in pts], [p[2] for p in pts], marker="x", ls=":", color=line.get_color(), label=f"sparse kernels forced: {mode}, M={m}, {variant}")
+        graphed_pts = [p for p in pts if not math.isnan(p[3])]
+        if graphed_pts:
+            ax.plot([p[0] * 100 for p in graphed_pts], [p[3] for p in graphed_pts], marker="s", ls="--", color=line.get_color(),
+                    label=f"both in CUDA graphs: {mode}, M={m}, {variant}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("density of h (% of H active per token)")
@@ -373,6 +429,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="tiles of 128 columns each --overflow-rows token overflows (default 2)")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per point (median reported)")
     parser.add_argument("--max-sparse-train-density", type=float, default=0.021, help="time the forced sparse training path only up to this density (it is slow when dense)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time dense eager and the TwELL op each captured in one CUDA graph, which takes the host's "
+                             "launch time out of the step (what torch.compile's reduce-overhead mode does)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv and the PNG plot")
     e2e = parser.add_argument_group("end to end (--e2e): a Hugging Face Llama, backend='twell' against 'inductor'")
     e2e.add_argument("--e2e", action="store_true", help="benchmark the whole model instead of one FFN block")
@@ -423,7 +482,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for mode, m, skewed, heavy, overflow, density in points_iter:
         rows.append(bench_point(m, args.d, args.h, density, skewed=skewed, train=(mode == "training"), compiled_cache=compiled_cache,
                                 reps=args.reps, max_sparse_train_density=args.max_sparse_train_density, heavy_rows=heavy,
-                                overflow_rows=overflow, overflow_tiles=args.overflow_tiles))
+                                overflow_rows=overflow, overflow_tiles=args.overflow_tiles, graphs=args.graphs))
         torch.cuda.empty_cache()
     host = host_line(args.d, args.h)  # after the points, so that its calls cannot steer their policy
     print(f"\ntwell bench on {torch.cuda.get_device_name()} (torch {torch.__version__}), gated FFN bf16, D={args.d}, H={args.h}; {time.time() - t0:.0f} s")

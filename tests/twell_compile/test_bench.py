@@ -105,6 +105,31 @@ def test_table_and_csv_name_the_heavy_and_overflow_rows(tmp_path):
     assert read[1]["variant"] == "uniform"
 
 
+def test_graph_columns_appear_only_when_measured(tmp_path):
+    out = io.StringIO()
+    bench.print_table([_row()], file=out)
+    assert "graphs" not in out.getvalue()
+    out = io.StringIO()
+    bench.print_table([_row(), _row(dense_graphed_ms=2.0, twell_graphed_ms=0.8, speedup_graphed=2.5)], file=out)
+    lines = out.getvalue().splitlines()
+    assert "graphs d/t ms" in lines[0] and "x graph" in lines[0]
+    assert lines[3].endswith("2.000/0.800   2.50x") and lines[2].endswith("-       -")
+    read = list(csv.DictReader(bench.write_csv([_row(dense_graphed_ms=2.0, twell_graphed_ms=0.8, speedup_graphed=2.5)],
+                                               tmp_path / "bench.csv").open()))
+    assert (read[0]["dense_graphed_ms"], read[0]["twell_graphed_ms"], read[0]["speedup_graphed"]) == ("2.0", "0.8", "2.5")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("train", [False, True])
+def test_graphed_columns_are_measured_on_the_gpu(train):
+    """``--graphs``: both providers captured and timed (values are not asserted, only that the
+    captures ran and the speedup is their ratio)."""
+    row = bench.bench_point(4096, 256, 512, 0.01, skewed=False, train=train, compiled_cache={}, reps=3,
+                            max_sparse_train_density=0.02, graphs=True)
+    assert row.dense_graphed_ms > 0 and row.twell_graphed_ms > 0
+    assert row.speedup_graphed == pytest.approx(row.dense_graphed_ms / row.twell_graphed_ms)
+
+
 @pytest.mark.parametrize("argv,flag", [(["--heavy-rows", "0", "65"], "--heavy-rows"), (["--overflow-rows", "65"], "--overflow-rows"),
                                        (["--overflow-rows", "4", "--overflow-tiles", "45"], "--overflow-tiles")])
 def test_cli_refuses_rows_or_tiles_the_problem_does_not_have(capsys, argv, flag):
