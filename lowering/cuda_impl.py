@@ -158,10 +158,11 @@ _DENSE_FORWARDS: "OrderedDict[int, bool]" = OrderedDict()
 _DENSE_FORWARDS_MAX = 4096
 # A dense training forward also keeps relu(gate), up and h here for its backward (what dense
 # autograd saves), which then skips recomputing them: two of its GEMMs. Popped by
-# the backward; bounded, and an evicted or missing entry only means recomputing (exact). Not kept
-# under CUDA-graph capture, for layers compiled for CUDA graphs (below), nor under saved-tensor
-# hooks (activation checkpointing, offloading), which exist to control what is saved.
-_DENSE_SAVED: "OrderedDict[int, tuple]" = OrderedDict()
+# the backward (``_take_saved``); bounded, and an evicted or missing entry only means recomputing
+# (exact). Not kept for layers compiled for CUDA graphs (below), nor under saved-tensor hooks
+# (activation checkpointing, offloading), which exist to control what is saved. Values:
+# (activations, whether a CUDA-graph capture recorded them).
+_DENSE_SAVED: "OrderedDict[int, tuple[tuple, bool]]" = OrderedDict()
 _DENSE_SAVED_MAX = 64
 
 
@@ -184,11 +185,21 @@ def _remember(count: torch.Tensor, dense: bool, saved: Optional[tuple] = None, l
     while len(_DENSE_FORWARDS) > _DENSE_FORWARDS_MAX:
         _DENSE_FORWARDS.popitem(last=False)
     _DENSE_SAVED.pop(key, None)
-    if (saved is not None and not _capturing() and layer not in _CUDA_GRAPH_LAYERS
-            and not _saved_tensor_hooks_active()):
-        _DENSE_SAVED[key] = saved
+    if saved is not None and layer not in _CUDA_GRAPH_LAYERS and not _saved_tensor_hooks_active():
+        _DENSE_SAVED[key] = (saved, _capturing())
         while len(_DENSE_SAVED) > _DENSE_SAVED_MAX:
             _DENSE_SAVED.popitem(last=False)
+
+
+def _take_saved(key: int) -> Optional[tuple]:
+    """A dense forward's kept activations, popped; None if there are none to use. A backward being
+    captured takes only activations a capture recorded (in a graph's memory pool, rewritten by each
+    replay): an eager forward's would be freed after this use while the graph kept reading their
+    memory on every replay."""
+    entry = _DENSE_SAVED.pop(key, None)
+    if entry is None or (_capturing() and not entry[1]):
+        return None
+    return entry[0]
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -377,7 +388,7 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     if _DENSE_FORWARDS.get(key, False) or x2d.dtype == torch.float64:
         # The popped activations go straight in: no reference here outlives their last use there.
         return _dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale,
-                               None if _capturing() else _DENSE_SAVED.pop(key, None))
+                               _take_saved(key))
     from twell_compile.kernels.sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS, sparse_ffn_backward
 
     keep = layer not in _CUDA_GRAPH_LAYERS

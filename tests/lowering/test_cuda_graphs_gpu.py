@@ -3,6 +3,8 @@
 * A layer captured after eager calls that measured its density and tuned its kernels records the
   sparse path from ``SPARSE_MIN_TOKENS_CAPTURED`` tokens, and the replay is bitwise the eager
   sparse op (inference, and a training forward + backward).
+* A dense training step captured whole (forward and backward in one graph) keeps its forward's
+  activations for its backward, as eagerly, and replays bitwise the eager step.
 * A layer whose kernels never ran outside a capture records the dense path (tuning cannot run
   inside a capture), and its replay is the dense FFN.
 * ``torch.compile(..., backend="twell", mode="reduce-overhead")`` captures and replays the ops,
@@ -79,6 +81,30 @@ def test_graph_records_a_sparse_training_step_bitwise_the_eager_one():
     got = _capture(step)
     want = _sparse_reference(step)
     assert telemetry.snapshot()[layer]["sparse"] == 1.0
+    for g, w, name in zip(got, want, ("out", "dx", "dwg", "dwu", "dwd")):
+        assert torch.equal(g, w), name
+
+
+def test_graph_of_a_dense_training_step_hands_its_activations_to_the_backward(monkeypatch):
+    layer = 9_304
+    x, wg, wu, wd = make_problem(TOKENS, 2048, 5632, 0.2, skewed=False)
+    params = [t.detach().requires_grad_() for t in (x, wg, wu, wd)]
+    dout = torch.randn_like(x)
+    coeff = torch.tensor(2e-5, device="cuda")
+    taken = []
+    take = cuda_impl._take_saved
+    monkeypatch.setattr(cuda_impl, "_take_saved", lambda key: taken.append(take(key)) or taken[-1])
+
+    def step():
+        out = torch.ops.twell.ffn_train(*params, None, None, None, coeff, 1, layer)[0]
+        return (out, *torch.autograd.grad(out, params, dout))
+
+    monkeypatch.setattr(cuda_impl, "FORCE_PATH", "dense")
+    _eager_calls(step, 2)
+    want = [t.detach().clone() for t in step()]  # detached: an eager autograd graph kept alive breaks the capture
+    taken.clear()
+    got = _capture(step)
+    assert len(taken) == 1 and taken[0] is not None, "the captured backward used the forward's activations"
     for g, w, name in zip(got, want, ("out", "dx", "dwg", "dwu", "dwd")):
         assert torch.equal(g, w), name
 

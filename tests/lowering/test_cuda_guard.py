@@ -144,7 +144,8 @@ def test_dense_backward_on_saved_activations_equals_recomputing():
 def test_saved_activations_are_popped_once_and_not_kept_under_saved_tensor_hooks():
     count = torch.zeros(4, 2, dtype=torch.int32)
     cuda_impl._remember(count, True, ("act", "up", "h"))
-    assert cuda_impl._DENSE_SAVED.pop(count.data_ptr()) == ("act", "up", "h")
+    assert cuda_impl._take_saved(count.data_ptr()) == ("act", "up", "h")
+    assert cuda_impl._take_saved(count.data_ptr()) is None  # popped
     cuda_impl._remember(count, False, None)  # a later sparse forward at the same address clears it
     assert count.data_ptr() not in cuda_impl._DENSE_SAVED
     cuda_impl._remember(count, True, ("act", "up", "h"))
@@ -153,6 +154,21 @@ def test_saved_activations_are_popped_once_and_not_kept_under_saved_tensor_hooks
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         cuda_impl._remember(count, True, ("act", "up", "h"))
     assert count.data_ptr() not in cuda_impl._DENSE_SAVED
+
+
+def test_a_backward_being_captured_takes_only_activations_a_capture_recorded(monkeypatch):
+    """Activations kept by an eager forward would be freed after a captured backward's use while
+    its graph kept reading their memory; those a capture recorded live in the graph's pool."""
+    count = torch.zeros(4, 2, dtype=torch.int32)
+    cuda_impl._remember(count, True, ("act", "up", "h"))  # eager forward
+    monkeypatch.setattr(cuda_impl, "_capturing", lambda: True)
+    assert cuda_impl._take_saved(count.data_ptr()) is None
+    assert count.data_ptr() not in cuda_impl._DENSE_SAVED  # dropped, not left to go stale
+    cuda_impl._remember(count, True, ("act", "up", "h"))  # captured forward
+    assert cuda_impl._take_saved(count.data_ptr()) == ("act", "up", "h")
+    cuda_impl._remember(count, True, ("act", "up", "h"))
+    monkeypatch.setattr(cuda_impl, "_capturing", lambda: False)  # an eager backward after a replay
+    assert cuda_impl._take_saved(count.data_ptr()) == ("act", "up", "h")
 
 
 def test_weight_prep_is_kept_until_a_weight_changes():

@@ -503,5 +503,5 @@ def test_layers_compiled_for_cuda_graphs_keep_no_activations_between_forward_and
     cuda_impl._remember(count, True, saved, next(iter(cuda_impl._CUDA_GRAPH_LAYERS)))
     assert count.data_ptr() not in cuda_impl._DENSE_SAVED
     cuda_impl._remember(count, True, saved, -1)  # an unmarked layer keeps them
-    assert cuda_impl._DENSE_SAVED.pop(count.data_ptr()) is saved
+    assert cuda_impl._take_saved(count.data_ptr()) is saved
     reset_state()
