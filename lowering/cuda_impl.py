@@ -365,8 +365,8 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
 
     gated = wg is not None
     packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
-    whole, listed = _guard_rows(x2d, wg, wu, wd, bg, bu, bd, packed.count, record, keep=keep)
-    wd_rows = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)[2]
+    forward_bound, _, wd_rows = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)  # once: uncached, it is a launch
+    whole, listed = _guard_rows(x2d, forward_bound, packed.count, record, keep=keep)
     rows = dict(dense_rows=whole, row_list=listed, wg=wg, bg=bg)
     if training:  # the backward needs the up values at the stored pairs
         out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows, return_up=True, reuse_tickets=keep)
@@ -392,13 +392,13 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     from twell_compile.kernels.sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS, sparse_ffn_backward
 
     keep = layer not in _CUDA_GRAPH_LAYERS
-    dense_rows, listed = _backward_guard_rows(dout2d, wg, wu, wd, bg, bu, bd, packed, keep=keep)
+    _, backward_bound, wd_rows = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)  # once: uncached, it is a launch
+    dense_rows, listed = _backward_guard_rows(dout2d, backward_bound, packed, keep=keep)
     # The dense rows' weight gradients as GEMMs (an fp32 [planes, H, D] buffer) when the layer's
     # last measured call had enough of them; the same result either way.
     policy = None if layer is None else _policy(layer, x2d.device, create=False)
     gemm = policy is not None and policy.expects_dense_rows(x2d.shape[0], DENSE_WGRAD_GEMM_ROWS)
-    args = (dout2d, x2d, wg, wu, _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)[2], bg, bu, bd, packed, up_val,
-            dense_rows, l1_scale)
+    args = (dout2d, x2d, wg, wu, wd_rows, bg, bu, bd, packed, up_val, dense_rows, l1_scale)
     grads = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm, row_list=listed, reuse_tickets=keep)
     signature = ("backward", *_signature(x2d, wg, wu, bg, bu, bd, True))
     if not _capturing() and signature not in _WARM:
@@ -500,29 +500,28 @@ class _WeightPrep:
         return prep
 
 
-def _guard_rows(x, wg, wu, wd, bg, bu, bd, count, record=None, *, keep: bool = True):
+def _guard_rows(x, forward_bound, count, record=None, *, keep: bool = True):
     """``(bool [M], RowList)``: the rows the forward computes densely (the guard's, and those with
     an overflowed tile) and their list, in one kernel that reads x once (``dense_rows.flag_rows``),
     which also marks the guard's rows overflowed in ``count`` (where the backward finds them) and
     stores the call's ``record``: its active entries (the counts as packed) and dense rows.
 
     A non-finite row has a non-finite norm, and for gated FFNs ``‖x_t‖·max‖Wu_j‖ + max|bu|``
-    bounds the up projection (a huge finite row is flagged too, which only costs speed).
+    bounds the up projection (a huge finite row is flagged too, which only costs speed);
+    ``forward_bound`` is ``_WeightPrep``'s.
     """
     from twell_compile.kernels.dense_rows import flag_rows
 
-    forward_bound = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)[0]
     return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record, mark=True,
                      flag_overflow=True, with_list=True, reuse_tickets=keep)
 
 
-def _backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, packed: TwellPacked, *, keep: bool = True):
+def _backward_guard_rows(dout, backward_bound, packed: TwellPacked, *, keep: bool = True):
     """``(bool [M], RowList)``: backward dense rows and their list, in one kernel: rows with an
     overflowed tile (which include the rows the forward's guard sent dense, marked in the counts by
     ``_guard_rows``, and every row of a dense forward), and rows of ``dout`` that are non-finite
-    or, gated, whose ``dh = dout·Wd`` may overflow."""
+    or, gated, whose ``dh = dout·Wd`` may overflow (``backward_bound``: ``_WeightPrep``'s)."""
     from twell_compile.kernels.dense_rows import flag_rows
 
-    backward_bound = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)[1]
     return flag_rows(dout, backward_bound, count=packed.count, slots=DEFAULT_LAYOUT.slots, flag_overflow=True,
                      with_list=True, reuse_tickets=keep)

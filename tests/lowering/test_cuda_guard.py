@@ -100,12 +100,34 @@ def test_backward_guard_adds_dout_rows_to_the_forwards_dense_rows():
     _, res = _forward_dense_rows(x, wg, wu, wd, bg, bu, bd)
     dout = torch.randn_like(x)
     dout[3, 2] = float("nan")
-    got, listed = cuda_impl._backward_guard_rows(dout, wg, wu, wd, bg, bu, bd, res.packed)
+    got, listed = cuda_impl._backward_guard_rows(dout, cuda_impl._WeightPrep.get(wg, wu, wd, bg, bu, bd)[1], res.packed)
     ref = R.backward_dense_rows_ref(dout, x, wg, wu, wd, bg, bu, bd, R.gate_pack_ref(x, wg, bg))
     assert bool((got | ~ref).all())
     assert got[3] and got[5]
     rows = torch.nonzero(got).flatten().to(torch.int32)
     assert listed.n_dense.item() == rows.numel() and torch.equal(listed.rows[: rows.numel()], rows)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_weight_prep_runs_at_most_once_per_forward_and_once_per_backward(monkeypatch, keep):
+    """Uncached (under capture, or for layers compiled for CUDA graphs) the per-weight work is a
+    launch that reads every weight: each direction makes it once and passes it on. Cached, a
+    step with unchanged weights makes it once in all."""
+    from twell_compile.kernels import weights
+
+    x, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
+    wd = wd.clone()  # a weight no other test has cached
+    calls = []
+    real = weights.weight_prep
+    monkeypatch.setattr(weights, "weight_prep", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layer = 8_888
+    if not keep:
+        monkeypatch.setattr(cuda_impl, "_CUDA_GRAPH_LAYERS", {layer})
+    res = cuda_impl._sparse_forward(x, wg, wu, wd, None, bu, bd, True, False, keep=keep)
+    assert len(calls) == 1
+    dout = torch.randn_like(x)
+    cuda_impl.backward(dout, x, wg, wu, wd, None, bu, bd, res.packed, res.up_val, torch.tensor(0.0), layer=layer)
+    assert len(calls) == (1 if keep else 2)
 
 
 # The dense path and its saved activations are plain torch too.
