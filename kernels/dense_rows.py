@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, launch, next_power_of_2, raw_stream
+from .launch import capturing, cdiv, launch, next_power_of_2, raw_stream
 
 # Set before import (DESIGN.md section 9): the interpreter computes bf16 tl.dot wrongly.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -198,7 +198,7 @@ def zeroed_scratch(n: int, device: torch.device, *, reuse: bool) -> torch.Tensor
     CUDA-graph trees allocates from the graphs' pool). Two buffers for one launch need two
     regions of one call: each call may return the same buffer.
     """
-    if reuse and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if reuse and not capturing(device):
         index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
         key = (device.type, index, raw_stream(index) if device.type == "cuda" else 0)
         buf = _TICKETS.get(key)

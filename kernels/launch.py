@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -95,7 +95,7 @@ def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
     if tuner is not None:
         key = (id(tuner), _tuning_key(tuner, named))
         config = _configs.get(key)
-        if config is None and _capturing():
+        if config is None and capturing():
             config = _untuned_config(tuner, args, kwargs)
         elif config is None:  # Triton tunes (or finds the tuned config) and launches
             kernel[grid](*args, **kwargs)
@@ -113,8 +113,10 @@ def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
     _launch_jit(fn, grid, args, kwargs)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_current_stream_capturing()
+def capturing(device: Optional[torch.device] = None) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (False for a non-CUDA
+    ``device``)."""
+    return (device is None or device.type == "cuda") and torch.cuda.is_current_stream_capturing()
 
 
 def _untuned_config(tuner: "Autotuner", args: tuple, kwargs: dict):
