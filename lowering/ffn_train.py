@@ -100,11 +100,7 @@ class _Train(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
         args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer)
-        if plain_eager(args):
-            output = _ffn_train(*args)
-        else:
-            with torch._C._AutoDispatchBelowAutograd():
-                output = torch.ops.twell.ffn_train.default.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        output = _ffn_train(*args) if plain_eager(args) else _below_autograd(keyset, args)
         _, idx, val, count, up_val = output
         ctx.mark_non_differentiable(idx, val, count, up_val)
         # Without this, eager autograd hands the backward zero-filled gradients of the four TwELL
@@ -130,6 +126,12 @@ def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, laye
     args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
         return _Train.apply(keyset, *args)
+    return _below_autograd(keyset, args)
+
+
+def _below_autograd(keyset, args):
+    """The op itself, dispatched past its autograd kernel (to its implementation, or to a
+    tracer's or fake tensors' handler)."""
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.twell.ffn_train.default.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
