@@ -156,14 +156,16 @@ def _policy(layer: int, device: torch.device, *, create: bool = True) -> Optiona
 # its key (a stale entry can never be read).
 _DENSE_FORWARDS: "OrderedDict[int, bool]" = OrderedDict()
 _DENSE_FORWARDS_MAX = 4096
-# A dense training forward also keeps relu(gate), up and h here for its backward (what dense
-# autograd saves), which then skips recomputing them: two of its GEMMs. Popped by
-# the backward (``_take_saved``); bounded, and an evicted or missing entry only means recomputing
-# (exact). Not kept for layers compiled for CUDA graphs (below), nor under saved-tensor hooks
-# (activation checkpointing, offloading), which exist to control what is saved. Values:
-# (activations, whether a CUDA-graph capture recorded them).
-_DENSE_SAVED: "OrderedDict[int, tuple[tuple, bool]]" = OrderedDict()
-_DENSE_SAVED_MAX = 64
+# A training forward's hand-off to its backward, which then skips redoing the work:
+# * a dense forward's relu(gate), up and h (what dense autograd saves): two GEMMs;
+# * a sparse forward's per-weight prep (``_WeightPrep``), under CUDA-graph capture only, where
+#   nothing is cached per weight (eagerly the cache serves the backward): one launch.
+# Popped by the backward (``_take_saved``); bounded, and an evicted or missing entry only means
+# redoing it (exact). Not kept for layers compiled for CUDA graphs (below), nor under saved-tensor
+# hooks (activation checkpointing, offloading), which exist to control what is saved. Values:
+# (tensors, whether the forward was dense, whether a CUDA-graph capture recorded them).
+_HANDOFF: "OrderedDict[int, tuple[tuple, bool, bool]]" = OrderedDict()
+_HANDOFF_MAX = 64
 
 
 # Layers compiled to run under CUDA graphs (Inductor's cudagraph trees, e.g. mode="reduce-overhead"),
@@ -184,20 +186,20 @@ def _remember(count: torch.Tensor, dense: bool, saved: Optional[tuple] = None, l
     _DENSE_FORWARDS.move_to_end(key)
     while len(_DENSE_FORWARDS) > _DENSE_FORWARDS_MAX:
         _DENSE_FORWARDS.popitem(last=False)
-    _DENSE_SAVED.pop(key, None)
+    _HANDOFF.pop(key, None)
     if saved is not None and layer not in _CUDA_GRAPH_LAYERS and not _saved_tensor_hooks_active():
-        _DENSE_SAVED[key] = (saved, _capturing())
-        while len(_DENSE_SAVED) > _DENSE_SAVED_MAX:
-            _DENSE_SAVED.popitem(last=False)
+        _HANDOFF[key] = (saved, dense, _capturing())
+        while len(_HANDOFF) > _HANDOFF_MAX:
+            _HANDOFF.popitem(last=False)
 
 
-def _take_saved(key: int) -> Optional[tuple]:
-    """A dense forward's kept activations, popped; None if there are none to use. A backward being
-    captured takes only activations a capture recorded (in a graph's memory pool, rewritten by each
-    replay): an eager forward's would be freed after this use while the graph kept reading their
-    memory on every replay."""
-    entry = _DENSE_SAVED.pop(key, None)
-    if entry is None or (_capturing() and not entry[1]):
+def _take_saved(key: int, *, dense: bool) -> Optional[tuple]:
+    """A forward's hand-off, popped; None if there is none to use. A backward being captured takes
+    only what a capture recorded (in a graph's memory pool, rewritten by each replay): an eager
+    forward's tensors would be freed after this use while the graph kept reading their memory on
+    every replay. ``dense``: the path the backward takes, which must be the forward's."""
+    entry = _HANDOFF.pop(key, None)
+    if entry is None or entry[1] != dense or (_capturing() and not entry[2]):
         return None
     return entry[0]
 
@@ -256,8 +258,11 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     keep = layer not in _CUDA_GRAPH_LAYERS
     record = telemetry.call_record(layer, x2d.device, sparse)
     if sparse:
-        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record, keep=keep)
-        if not capturing:
+        prep = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)
+        res = _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record, keep=keep, prep=prep)
+        if capturing:
+            saved = prep  # the captured backward's, as nothing is cached under capture
+        else:
             _WARM.add(("forward", *signature))
     else:
         res, saved = _dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record)
@@ -355,17 +360,20 @@ def _state_key(t: torch.Tensor) -> Optional[tuple]:
 
 
 def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
-                    record=None, *, keep: bool = True) -> reference.ForwardResult:
+                    record=None, *, keep: bool = True, prep: Optional[tuple] = None) -> reference.ForwardResult:
     """The sparse path. ``record`` (telemetry's ``call_record``) receives the active entries and
     the rows computed densely. ``dense_rows`` of the result is computed only with ``want_l1``
     (the L1 value needs it); it is None otherwise. ``keep=False``: cache nothing per weight
-    (``_WeightPrep``): layers compiled for CUDA graphs."""
+    (``_WeightPrep``): layers compiled for CUDA graphs. ``prep``: ``_WeightPrep.get``'s, if the
+    caller has it."""
     from twell_compile.kernels.gate_pack import gate_pack
     from twell_compile.kernels.sparse_ffn import sparse_ffn
 
     gated = wg is not None
     packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
-    forward_bound, _, wd_rows = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)  # once: uncached, it is a launch
+    if prep is None:
+        prep = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)  # once: uncached, it is a launch
+    forward_bound, _, wd_rows = prep
     whole, listed = _guard_rows(x2d, forward_bound, packed.count, record, keep=keep)
     rows = dict(dense_rows=whole, row_list=listed, wg=wg, bg=bg)
     if training:  # the backward needs the up values at the stored pairs
@@ -388,11 +396,12 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     if _DENSE_FORWARDS.get(key, False) or x2d.dtype == torch.float64:
         # The popped activations go straight in: no reference here outlives their last use there.
         return _dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale,
-                               _take_saved(key))
+                               _take_saved(key, dense=True))
     from twell_compile.kernels.sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS, sparse_ffn_backward
 
     keep = layer not in _CUDA_GRAPH_LAYERS
-    _, backward_bound, wd_rows = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)  # once: uncached, it is a launch
+    # the forward's under capture; else once here (cached unless the layer is compiled for CUDA graphs)
+    _, backward_bound, wd_rows = _take_saved(key, dense=False) or _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)
     dense_rows, listed = _backward_guard_rows(dout2d, backward_bound, packed, keep=keep)
     # The dense rows' weight gradients as GEMMs (an fp32 [planes, H, D] buffer) when the layer's
     # last measured call had enough of them; the same result either way.

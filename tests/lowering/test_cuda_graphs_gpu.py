@@ -93,7 +93,7 @@ def test_graph_of_a_dense_training_step_hands_its_activations_to_the_backward(mo
     coeff = torch.tensor(2e-5, device="cuda")
     taken = []
     take = cuda_impl._take_saved
-    monkeypatch.setattr(cuda_impl, "_take_saved", lambda key: taken.append(take(key)) or taken[-1])
+    monkeypatch.setattr(cuda_impl, "_take_saved", lambda key, *, dense: taken.append(take(key, dense=dense)) or taken[-1])
 
     def step():
         out = torch.ops.twell.ffn_train(*params, None, None, None, coeff, 1, layer)[0]

@@ -166,16 +166,16 @@ def test_dense_backward_on_saved_activations_equals_recomputing():
 def test_saved_activations_are_popped_once_and_not_kept_under_saved_tensor_hooks():
     count = torch.zeros(4, 2, dtype=torch.int32)
     cuda_impl._remember(count, True, ("act", "up", "h"))
-    assert cuda_impl._take_saved(count.data_ptr()) == ("act", "up", "h")
-    assert cuda_impl._take_saved(count.data_ptr()) is None  # popped
+    assert cuda_impl._take_saved(count.data_ptr(), dense=True) == ("act", "up", "h")
+    assert cuda_impl._take_saved(count.data_ptr(), dense=True) is None  # popped
     cuda_impl._remember(count, False, None)  # a later sparse forward at the same address clears it
-    assert count.data_ptr() not in cuda_impl._DENSE_SAVED
+    assert count.data_ptr() not in cuda_impl._HANDOFF
     cuda_impl._remember(count, True, ("act", "up", "h"))
     cuda_impl._remember(count, False)
-    assert count.data_ptr() not in cuda_impl._DENSE_SAVED
+    assert count.data_ptr() not in cuda_impl._HANDOFF
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         cuda_impl._remember(count, True, ("act", "up", "h"))
-    assert count.data_ptr() not in cuda_impl._DENSE_SAVED
+    assert count.data_ptr() not in cuda_impl._HANDOFF
 
 
 def test_a_backward_being_captured_takes_only_activations_a_capture_recorded(monkeypatch):
@@ -184,13 +184,53 @@ def test_a_backward_being_captured_takes_only_activations_a_capture_recorded(mon
     count = torch.zeros(4, 2, dtype=torch.int32)
     cuda_impl._remember(count, True, ("act", "up", "h"))  # eager forward
     monkeypatch.setattr(cuda_impl, "_capturing", lambda: True)
-    assert cuda_impl._take_saved(count.data_ptr()) is None
-    assert count.data_ptr() not in cuda_impl._DENSE_SAVED  # dropped, not left to go stale
+    assert cuda_impl._take_saved(count.data_ptr(), dense=True) is None
+    assert count.data_ptr() not in cuda_impl._HANDOFF  # dropped, not left to go stale
     cuda_impl._remember(count, True, ("act", "up", "h"))  # captured forward
-    assert cuda_impl._take_saved(count.data_ptr()) == ("act", "up", "h")
+    assert cuda_impl._take_saved(count.data_ptr(), dense=True) == ("act", "up", "h")
     cuda_impl._remember(count, True, ("act", "up", "h"))
     monkeypatch.setattr(cuda_impl, "_capturing", lambda: False)  # an eager backward after a replay
-    assert cuda_impl._take_saved(count.data_ptr()) == ("act", "up", "h")
+    assert cuda_impl._take_saved(count.data_ptr(), dense=True) == ("act", "up", "h")
+    cuda_impl._remember(count, True, ("act", "up", "h"))
+    assert cuda_impl._take_saved(count.data_ptr(), dense=False) is None  # only the path that made it
+
+
+def test_a_captured_sparse_step_makes_the_weight_prep_once(monkeypatch):
+    """Under capture nothing is cached per weight: the sparse forward hands its prep to the
+    backward instead of the backward launching it again; the gradients are the same."""
+    from twell_compile.kernels import weights
+
+    x, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
+    calls = []
+    real = weights.weight_prep
+    monkeypatch.setattr(weights, "weight_prep", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cuda_impl, "FORCE_PATH", "sparse")
+
+    class Policy:  # the real one copies counters to pinned memory: CUDA only
+        calls = 1
+
+        def after(self, *_):
+            pass
+
+        def expects_dense_rows(self, *_):
+            return False
+
+    monkeypatch.setattr(cuda_impl, "_policy", lambda *_, **__: Policy())
+    dout = torch.randn_like(x)
+
+    def step(capturing):
+        monkeypatch.setattr(cuda_impl, "_capturing", lambda: capturing)
+        w = wd.clone()  # uncached in both runs
+        res, sparse = cuda_impl.forward(x, wg, wu, w, None, bu, bd, layer=8_889, training=True)
+        assert sparse
+        return cuda_impl.backward(dout, x, wg, wu, w, None, bu, bd, res.packed, res.up_val, torch.tensor(0.0), layer=8_889)
+
+    eager = step(False)
+    assert len(calls) == 1  # the backward hit the cache
+    captured = step(True)
+    assert len(calls) == 2, "the captured backward used the forward's prep"
+    for name in ("dx", "dwg", "dwu", "dwd", "dbu"):
+        assert torch.equal(getattr(captured, name), getattr(eager, name)), name
 
 
 def test_weight_prep_is_kept_until_a_weight_changes():

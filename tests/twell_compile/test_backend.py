@@ -501,7 +501,7 @@ def test_layers_compiled_for_cuda_graphs_keep_no_activations_between_forward_and
     count = torch.zeros(4, dtype=torch.int32)
     saved = (torch.ones(1),) * 3
     cuda_impl._remember(count, True, saved, next(iter(cuda_impl._CUDA_GRAPH_LAYERS)))
-    assert count.data_ptr() not in cuda_impl._DENSE_SAVED
+    assert count.data_ptr() not in cuda_impl._HANDOFF
     cuda_impl._remember(count, True, saved, -1)  # an unmarked layer keeps them
-    assert cuda_impl._take_saved(count.data_ptr()) is saved
+    assert cuda_impl._take_saved(count.data_ptr(), dense=True) is saved
     reset_state()
