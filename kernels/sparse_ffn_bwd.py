@@ -32,14 +32,22 @@ Kernels, in launch order:
    0.10–0.16 ms, the same lists). The list holds slot numbers ``(t · n_tiles + tile) · slots +
    s``; its capacity ``M · n_tiles · slots`` is every slot, so it cannot overflow; pairs of a neuron
    are in token order.
-2. ``_tokens_kernel``: token-major. A program owns ``TOKENS`` sparse rows, one after the other, with
-   the ``dout`` row and the ``dx`` accumulator in registers. It walks the row's stored pairs one at
-   a time with ``sparse_ffn.next_pair``'s cursor (a bit set of the tiles that store pairs), loads the
-   ``Wdᵀ``, ``Wg`` and ``Wu`` rows of each neuron, and writes ``dh`` per slot. The next pair is
-   loaded while this pair's rows are gathered (as in ``sparse_ffn``); ``_wgrad_kernel`` does the
-   same with its slot list. Together: the backward went from 2.70 to 2.48 ms at 0.5% density and
-   from 4.76 to 4.35 ms at 1% on the H200, in the same process (session 6); the cursor, which
-   replaced a ``[CH, n_tiles]`` search over prefix sums, took it from 2.38–2.40 to 2.33 ms.
+2. ``_tokens_dh_kernel`` then ``_tokens_dx_kernel``: token-major. A program owns ``TOKENS``
+   sparse rows, one after the other, and walks each row's stored pairs one at a time with
+   ``sparse_ffn.next_pair``'s cursor (a bit set of the tiles that store pairs), loading the next
+   pair while this pair's rows arrive. The first kernel keeps the ``dout`` row in registers,
+   gathers one ``Wdᵀ`` row per pair and writes ``dh`` per slot; the second gathers the ``Wg`` and
+   ``Wu`` rows' columns of one block of at most 1024 (``_DX_BLOCK_MAX``), with the ``dx``
+   accumulator of that block in registers, and its programs take the column blocks in turn. Until
+   session 24 one kernel did both, gathering all three matrices (69 MB at the benchmark shape,
+   more than the L2 keeps: 94% of L2 throughput, 43% hits under ncu in session 10). Split, each
+   kernel gathers 23 MB at a time, and the ``dh`` kernel runs at one warp a token: on the H200
+   (M=16384, D=2048, H=5632, same process) 0.830 → 0.250 + 0.432 ms at 0.5% density, 1.560 →
+   0.454 + 0.831 at 1% and 0.534 → 0.169 + 0.270 at 0.3%, a forced training step's kernels 2.78 →
+   2.58 ms at 0.5%; with skewed neurons, whose hot rows stay in L2 anyway, 0.662 → 0.684 (0.5%) and
+   1.269 → 1.284 (1%). Session 6's fused kernel with the prefetched pairs took the backward from
+   2.70 to 2.48 ms at 0.5% and from 4.76 to 4.35 ms at 1%; the cursor, which replaced a
+   ``[CH, n_tiles]`` search over prefix sums, from 2.38–2.40 to 2.33 ms.
 3. ``_dense_coef_dx_kernel``, two independent jobs in one launch (one launch's host time fewer,
    session 20): ``dgate``, ``dup`` and ``h`` of the first ``r_cap`` dense rows over all H, as
    ``[16, BH]`` tiles from ``tl.dot`` over D, into an fp32 scratch ``[3, r_cap, H]`` (``r_cap``
@@ -68,21 +76,21 @@ Kernels, in launch order:
    density on the H200: 2.36 → 2.00 ms).
 
 Computing ``dh`` in ``_wgrad_kernel`` instead, from the ``dout`` rows it gathers anyway and one
-``Wd`` column per neuron (programs over all of D), spares ``_tokens_kernel`` its ``Wdᵀ`` row per
+``Wd`` column per neuron (programs over all of D), spared the (then fused) tokens kernel its ``Wdᵀ`` row per
 pair (12 → 8 KiB), but was not faster on the H200 (session 18: the backward 1.97 against 1.95 ms
 at 0.5% density, 3.14 against 3.17 at 1%, and 3.20 against 2.54 with skewed neurons, whose
 hottest neurons' whole-row programs, at 128 registers, ended the kernel): not kept.
 
-``_tokens_kernel`` and ``_wgrad_kernel`` read bf16 rows as int32 pairs (``sparse_ffn.load_row``
+The tokens kernels and ``_wgrad_kernel`` read bf16 rows as int32 pairs (``sparse_ffn.load_row``
 and ``widen``: one shift or mask an element instead of a 1.5-instruction conversion; the tokens
-kernel also drops from 72 to 64 registers at 4 warps): the backward at 0.5% density on the H200
+kernel of then dropped from 72 to 64 registers at 4 warps): the backward at 0.5% density on the H200
 went from 1.92 to 1.86 ms, at 1% from 3.22 to 3.10, with skewed neurons from 2.61 to 2.40
 (session 18, same process).
 
 Bytes, 16-bit tensors (``e = 2``), ``P`` stored pairs (``a`` per token):
 
-* ``_tokens_kernel``: per pair 3 weight rows, ``3·D·e`` (12 KiB at D = 2048), from L2 (the 46 MB of
-  weights fit the H200's 60 MB L2), plus 16 B of TwELL and ``dh``; per token ``2·D·e`` (``dout`` in,
+* tokens kernels: per pair 3 weight rows, ``3·D·e`` (12 KiB at D = 2048), 23 MB of them at a time
+  at the benchmark shape, plus ~28 B of TwELL and ``dh``; per token ``2·D·e`` (``dout`` in,
   ``dx`` out) and ``n_tiles·4``.
 * ``_wgrad_kernel``: per pair 2 rows, ``2·D·e`` (8 KiB), from L2 slabs; writes ``3·H·D·e``.
 * lists: ``2·M·n_tiles·4 + 3·P·4`` plus ``H·M/TB·16`` for the counts, the token words and the
@@ -300,51 +308,63 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
 # ---------------------------------------------------------------------------------------------
 
 
+# dx's column block: at most this many columns of D per program (the programs of one block run
+# before those of the next). On the H200 at D=2048 (0.3-1% density, uniform neurons), blocks of
+# 1024 were 2-4% faster than all of D and 7-12% faster than 512 (session 24).
+_DX_BLOCK_MAX = 1024
+
+
 def _token_configs():
     if INTERPRET:
         return [triton.Config({"TOKENS": 2}, num_warps=4, num_stages=1)]
-    # (warps, tokens per program). On the H200 (bf16, D=2048, H=5632, M=16384, uniform neurons):
-    # 4 warps were fastest at every density from 0.3% to 2% (session 9: the whole backward 2.33 ms
-    # at 0.5%, against 2.40 with 2 warps); more tokens per program were slower.
-    shapes = [(4, 1), (2, 1), (2, 4)]
+    # (warps, tokens per program). On the H200 (bf16, D=2048, H=5632, M=16384, 0.3-1% density) the
+    # autotuner picks 1 warp for dh and 2 for dx's 1024-column blocks (session 24).
+    shapes = [(1, 1), (2, 1), (4, 1), (2, 2)]
     return [triton.Config({"TOKENS": t}, num_warps=w, num_stages=1) for w, t in shapes]
 
 
-def _prune_tokens(configs, nargs, **kwargs):
-    """Keep configs whose three ``[BLOCK_D]`` weight rows fit ≤ 128 fp32 registers per thread."""
-    block_d = kwargs["BLOCK_D"]
-    keep = [c for c in configs if 3 * block_d <= 128 * 32 * c.num_warps]
-    if keep:
-        return keep
-    return [triton.Config({"TOKENS": 1}, num_warps=16, num_stages=1)]
+def _prune_rows(rows: int):
+    """An ``early_config_prune`` keeping configs whose ``rows`` fp32 rows of ``BLOCK_D`` (the row
+    in registers and the one or two gathered per pair) fit ≤ 128 registers per thread."""
+    def prune(configs, nargs, **kwargs):
+        keep = [c for c in configs if rows * kwargs["BLOCK_D"] <= 128 * 32 * c.num_warps]
+        return keep or [triton.Config({"TOKENS": 1}, num_warps=16, num_stages=1)]
+    return prune
 
 
-@triton.autotune(configs=_token_configs(), key=["D", "H", "GATED"], prune_configs_by={"early_config_prune": _prune_tokens})
+@jit_helper
+def _row_cursor(count_ptr, t64, N_TILES, SLOTS: tl.constexpr, NT_P2: tl.constexpr, BITS: tl.constexpr):
+    """``next_pair``'s cursor on the first stored pair of sparse row ``t64``, and its counts' base.
+    A sparse row has no overflowed tile, so its stored pairs are all its pairs."""
+    cnt_base = t64 * N_TILES
+    tiles = tl.arange(0, NT_P2)
+    rem = tl.full([], 0, tl.uint64)
+    if BITS:
+        rem = tile_set(tl.load(count_ptr + cnt_base + tiles, mask=tiles < N_TILES, other=0), tiles, SLOTS, BITS)
+    rem, ct, cs, cc = first_pair(count_ptr, cnt_base, rem, N_TILES, SLOTS, BITS)
+    return cnt_base, rem, ct, cs, cc
+
+
+@triton.autotune(configs=_token_configs(), key=["D", "H", "GATED"], prune_configs_by={"early_config_prune": _prune_rows(2)})
 @triton.heuristics({"EVEN_D": lambda a: a["D"] % a["BLOCK_D"] == 0})
 @triton.jit
-def _tokens_kernel(
+def _tokens_dh_kernel(
     # pointers
-    dout_ptr, wg_ptr, wu_ptr, wdt_ptr, idx_ptr, val_ptr, up_ptr, count_ptr, dense_ptr, scale_ptr,
-    dx_ptr, dh_ptr,
-    # dimensions
-    M, D, H, N_TILES,
-    # row strides (elements; every last dimension is contiguous)
-    stride_gm, stride_wg, stride_wu, stride_wdt, stride_dxm,
+    dout_ptr, wdt_ptr, idx_ptr, val_ptr, up_ptr, count_ptr, dense_ptr, scale_ptr, dh_ptr,
+    # dimensions and row strides (elements; every last dimension is contiguous)
+    M, D, H, N_TILES, stride_gm, stride_wdt,
     # meta-parameters
     GATED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
     NT_P2: tl.constexpr, BITS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """``dx[t]`` and ``dh`` at every stored slot of each sparse row ``t`` (``dense[t] == 0``).
+    """``dh`` (fp32, TwELL shape, with the L1 term) at every stored slot of each sparse row ``t``
+    (``dense[t] == 0``): ``dout[t] · Wdᵀ[j]`` over all of D.
 
-    dout ``[M, D]``; wg, wu, wdt (= Wdᵀ) ``[H, D]``; TwELL idx/val/up ``[M, N_TILES, SLOTS]``
-    (up unused when plain), count ``[M, N_TILES]``; dense uint8 ``[M]``; scale fp32 ``[]`` =
-    ``l1_scale / M``. Writes dx ``[M, D]`` rows of sparse rows only, and ``dh`` (fp32, TwELL
-    shape) at their stored slots only (``dh`` includes the L1 term).
+    dout ``[M, D]``; wdt (= Wdᵀ) ``[H, D]``; TwELL idx/val/up ``[M, N_TILES, SLOTS]`` (up unused
+    when plain), count ``[M, N_TILES]``; dense uint8 ``[M]``; scale fp32 ``[]`` = ``l1_scale / M``.
     """
     pid = tl.program_id(0)
     lanes, l_ok = row_lanes(0, D, BLOCK_D, PAIRS, EVEN_D)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = column_mask(offs_d, D, EVEN_D)
     scale = tl.load(scale_ptr)
     for i in range(TOKENS):
         t = pid * TOKENS + i
@@ -352,27 +372,16 @@ def _tokens_kernel(
             t64 = t.to(tl.int64)
             if tl.load(dense_ptr + t64) == 0:
                 g_ev, g_od = widen(load_row(dout_ptr, t64 * stride_gm, lanes, l_ok, PAIRS, ""), PAIRS)
-                acc_ev, acc_od = zero_row(lanes, PAIRS)
                 slot0 = t64 * N_TILES * SLOTS
-                # The stored pairs in (tile, slot) order (sparse_ffn.next_pair; a sparse row has no
-                # overflowed tile); each iteration loads the next pair while this pair's rows arrive.
-                cnt_base = t64 * N_TILES
-                tiles = tl.arange(0, NT_P2)
-                rem = tl.full([], 0, tl.uint64)
-                if BITS:
-                    rem = tile_set(tl.load(count_ptr + cnt_base + tiles, mask=tiles < N_TILES, other=0), tiles,
-                                   SLOTS, BITS)
-                rem, ct, cs, cc = first_pair(count_ptr, cnt_base, rem, N_TILES, SLOTS, BITS)
-                # Default L2 policy for the pairs: _wgrad_kernel reads their values again.
+                cnt_base, rem, ct, cs, cc = _row_cursor(count_ptr, t64, N_TILES, SLOTS, NT_P2, BITS)
+                # Default L2 policy for the pairs: _tokens_dx_kernel and _wgrad_kernel read them
+                # again. The next pair is loaded while this pair's row arrives.
                 ok, slot, jp, pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "")
                 while ok:
                     wd = load_row(wdt_ptr, jp * stride_wdt, lanes, l_ok, PAIRS, "")
-                    wu = load_row(wu_ptr, jp * stride_wu, lanes, l_ok, PAIRS, "")
+                    up = pre
                     if GATED:
                         up = tl.load(up_ptr + slot)
-                        wg = load_row(wg_ptr, jp * stride_wg, lanes, l_ok, PAIRS, "")
-                    else:
-                        up = pre
                     rem, ct, cs, cc = next_pair(count_ptr, cnt_base, rem, ct, cs, cc, N_TILES, SLOTS, BITS)
                     next_ok, next_slot, next_jp, next_pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS,
                                                                       "")
@@ -380,6 +389,51 @@ def _tokens_kernel(
                     wd_ev, wd_od = widen(wd, PAIRS)
                     dh = _sum(join_row(wd_ev * g_ev, wd_od * g_od, PAIRS), axis=0) + scale * _sign(hv)
                     tl.store(dh_ptr + slot, dh)
+                    ok, slot, jp, pre = next_ok, next_slot, next_jp, next_pre
+
+
+@triton.autotune(configs=_token_configs(), key=["D", "H", "GATED"], prune_configs_by={"early_config_prune": _prune_rows(3)})
+@triton.heuristics({"EVEN_D": lambda a: a["D"] % a["BLOCK_D"] == 0})
+@triton.jit
+def _tokens_dx_kernel(
+    # pointers
+    wg_ptr, wu_ptr, idx_ptr, val_ptr, up_ptr, count_ptr, dense_ptr, dh_ptr, dx_ptr,
+    # dimensions and row strides (elements)
+    M, D, H, N_TILES, stride_wg, stride_wu, stride_dxm,
+    # meta-parameters
+    GATED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
+    NT_P2: tl.constexpr, BITS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """``dx[t] = Σ_j dgate · Wg[j] + dup · Wu[j]`` over the stored pairs of each sparse row, from
+    ``_tokens_dh_kernel``'s ``dh``; one ``BLOCK_D`` column block per program, the programs of block
+    ``b`` (``pid // cdiv(M, TOKENS)``) before those of block ``b + 1``. Plain: ``wg`` is unused.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.cdiv(M, TOKENS)
+    block = pid // n_prog
+    lanes, l_ok = row_lanes(block, D, BLOCK_D, PAIRS, EVEN_D)
+    offs_d = block * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = column_mask(offs_d, D, EVEN_D)
+    for i in range(TOKENS):
+        t = (pid % n_prog) * TOKENS + i
+        if t < M:
+            t64 = t.to(tl.int64)
+            if tl.load(dense_ptr + t64) == 0:
+                acc_ev, acc_od = zero_row(lanes, PAIRS)
+                slot0 = t64 * N_TILES * SLOTS
+                cnt_base, rem, ct, cs, cc = _row_cursor(count_ptr, t64, N_TILES, SLOTS, NT_P2, BITS)
+                ok, slot, jp, pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "")
+                while ok:
+                    wu = load_row(wu_ptr, jp * stride_wu, lanes, l_ok, PAIRS, "")
+                    dh = tl.load(dh_ptr + slot)
+                    up = pre
+                    if GATED:
+                        up = tl.load(up_ptr + slot)
+                        wg = load_row(wg_ptr, jp * stride_wg, lanes, l_ok, PAIRS, "")
+                    rem, ct, cs, cc = next_pair(count_ptr, cnt_base, rem, ct, cs, cc, N_TILES, SLOTS, BITS)
+                    next_ok, next_slot, next_jp, next_pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS,
+                                                                      "")
+                    act, hv = _hidden(pre, up, GATED)
                     d_gate, d_up = _pair_grads(pre, up, act, dh, GATED)
                     wu_ev, wu_od = widen(wu, PAIRS)
                     acc_ev += d_up * wu_ev
@@ -708,7 +762,7 @@ def _wgrad_kernel(
 
     Sparse pairs: ``list[nptr[j]:nptr[j + 1]]`` (slot numbers; token = slot // SLOT_ROW), with
     ``dgate``/``dup``/``h`` recomputed from TwELL ``val``, ``up`` and the ``dh`` that
-    ``_tokens_kernel`` stored. Dense rows: ``rows[:n_dense]``, coefficients from the scratch
+    ``_tokens_dh_kernel`` stored. Dense rows: ``rows[:n_dense]``, coefficients from the scratch
     ``coef [planes, R_CAP, H]`` for list positions ``< R_CAP`` (a multiple of BR, so of CK), else
     recomputed.
     With PARTIAL, the positions ``< R_CAP`` come summed by ``_dense_wgrad_kernel`` (``part``,
@@ -986,11 +1040,15 @@ def sparse_ffn_backward(
     # 3. Launch: sparse rows (dx, dh), dense rows (scratch, dx), then the weight gradients.
     block_d = max(16, next_power_of_2(d))
     nt_p2 = max(2, next_power_of_2(n_tiles))
-    launch(_tokens_kernel, lambda meta: (cdiv(m, meta["TOKENS"]),),
-        dout, wg_, wu, wdt, idx, val, up, count, dense_u8, scale, dx, dh,
-        m, d, h, n_tiles,
-        dout.stride(0), *w_strides, dx.stride(0),
-        GATED=gated, SLOTS=slots, BLOCK_D=block_d, NT_P2=nt_p2, BITS=bit_walk(nt_p2), PAIRS=paired(dout, wg_, wu, wdt),
+    walk = dict(GATED=gated, SLOTS=slots, NT_P2=nt_p2, BITS=bit_walk(nt_p2))
+    launch(_tokens_dh_kernel, lambda meta: (cdiv(m, meta["TOKENS"]),),
+        dout, wdt, idx, val, up, count, dense_u8, scale, dh, m, d, h, n_tiles, dout.stride(0), wdt.stride(0),
+        BLOCK_D=block_d, PAIRS=paired(dout, wdt), **walk,
+    )
+    block_dx = min(block_d, _DX_BLOCK_MAX)
+    launch(_tokens_dx_kernel, lambda meta: (cdiv(d, block_dx) * cdiv(m, meta["TOKENS"]),),
+        wg_, wu, idx, val, up, count, dense_u8, dh, dx, m, d, h, n_tiles, wg_.stride(0), wu.stride(0), dx.stride(0),
+        BLOCK_D=block_dx, PAIRS=paired(wg_, wu), **walk,
     )
     # The scratch of the first r_cap list positions and dx of the positions past it: one launch.
     coef_programs = (r_cap // BR) * cdiv(h, bh)

@@ -215,13 +215,16 @@ def variants(arch: str, full: bool):
         yield f"order {tag}", (lambda dtype=dtype, block=block: compile_kernel(
             SB._order_kernel, target, dtype, dict(BLOCK=block), {"incl_ptr": "*i32", "ptr_ptr": "*i64", "order_ptr": "*i32"},
             num_warps=max(1, min(4, block // 256))))
-        for cfg in _configs(SB._tokens_kernel, all_configs, dict(BLOCK_D=D)):
-            for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
-                yield f"tokens {tag} bits={bits} pairs={pairs} {_name(cfg)}", (
-                    lambda dtype=dtype, gated=gated, cfg=cfg, bits=bits, pairs=pairs: compile_kernel(
-                        SB._tokens_kernel, target, dtype,
-                        dict(GATED=gated, SLOTS=SLOTS, BLOCK_D=D, EVEN_D=sixteen, NT_P2=NT_P2, BITS=bits, PAIRS=pairs),
-                        {"dense_ptr": "*u8"}, cfg))
+        block_dx = min(D, SB._DX_BLOCK_MAX)
+        for name, kernel, block in (("tokens_dh", SB._tokens_dh_kernel, D), ("tokens_dx", SB._tokens_dx_kernel, block_dx)):
+            for cfg in _configs(kernel, all_configs, dict(BLOCK_D=block)):
+                for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
+                    yield f"{name} {tag} bits={bits} pairs={pairs} {_name(cfg)}", (
+                        lambda dtype=dtype, gated=gated, cfg=cfg, bits=bits, pairs=pairs, kernel=kernel, block=block:
+                        compile_kernel(kernel, target, dtype,
+                                       dict(GATED=gated, SLOTS=SLOTS, BLOCK_D=block, EVEN_D=sixteen, NT_P2=NT_P2,
+                                            BITS=bits, PAIRS=pairs),
+                                       {"dense_ptr": "*u8"}, cfg))
         bh, bk, bd = 64, 64, (64 if dtype == torch.float32 else 128)
         flags = dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=native, BR=DR.BR, BH=bh, BK=bk)
         yield f"dense_coef_dx {tag}", (lambda dtype=dtype, flags=flags, bd=bd: compile_kernel(
