@@ -76,14 +76,14 @@ Kernels, in launch order:
    density on the H200: 2.36 → 2.00 ms).
 
 Computing ``dh`` in ``_wgrad_kernel`` instead, from the ``dout`` rows it gathers anyway and one
-``Wd`` column per neuron (programs over all of D), spared the (then fused) tokens kernel its ``Wdᵀ`` row per
-pair (12 → 8 KiB), but was not faster on the H200 (session 18: the backward 1.97 against 1.95 ms
+``Wd`` column per neuron (programs over all of D), spared the then fused tokens kernel its ``Wdᵀ``
+row per pair (12 → 8 KiB), but was not faster on the H200 (session 18: the backward 1.97 against 1.95 ms
 at 0.5% density, 3.14 against 3.17 at 1%, and 3.20 against 2.54 with skewed neurons, whose
 hottest neurons' whole-row programs, at 128 registers, ended the kernel): not kept.
 
 The tokens kernels and ``_wgrad_kernel`` read bf16 rows as int32 pairs (``sparse_ffn.load_row``
-and ``widen``: one shift or mask an element instead of a 1.5-instruction conversion; the tokens
-kernel of then dropped from 72 to 64 registers at 4 warps): the backward at 0.5% density on the H200
+and ``widen``: one shift or mask an element instead of a 1.5-instruction conversion; the fused
+tokens kernel then dropped from 72 to 64 registers at 4 warps): the backward at 0.5% density on the H200
 went from 1.92 to 1.86 ms, at 1% from 3.22 to 3.10, with skewed neurons from 2.61 to 2.40
 (session 18, same process).
 
@@ -309,8 +309,9 @@ def neuron_major(packed: TwellPacked, dense_rows: torch.Tensor, hidden: int, *, 
 
 
 # dx's column block: at most this many columns of D per program (the programs of one block run
-# before those of the next). On the H200 at D=2048 (0.3-1% density, uniform neurons), blocks of
-# 1024 were 2-4% faster than all of D and 7-12% faster than 512 (session 24).
+# before those of the next). On the H200 at D=2048, 0.3-1% density (session 24), dx took 0-7% less
+# time in blocks of 1024 than over all of D with uniform neurons (the same with skewed ones), and
+# 4-19% less than in blocks of 512.
 _DX_BLOCK_MAX = 1024
 
 
