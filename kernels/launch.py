@@ -152,7 +152,26 @@ def _layers(kernel: Any):
         inner = inner.fn
     layers = (tuner, heuristics, inner) if isinstance(inner, JITFunction) else None
     _layer_cache[id(kernel)] = (kernel, layers)  # the kernel is kept alive, so its id stays its own
+    if layers is not None and tuner is not None:
+        _tuners[id(tuner)] = (inner.__name__, tuple(tuner.keys))
     return layers
+
+
+# id(autotuner) -> (its kernel's name, its key's argument names), for tuned_configs
+_tuners: dict = {}
+
+
+def tuned_configs() -> list[tuple[str, str, str]]:
+    """``(kernel, key, config)`` for every config Triton's autotuner chose for a kernel launched
+    here, in the order they were first tuned. The autotuner keys its choice on shapes and dtypes,
+    not on the data, so the first call of a key picks the config every later call with that key
+    runs, whatever its density or neuron skew."""
+    out = []
+    for (tuner_id, key), config in _configs.items():
+        name, names = _tuners.get(tuner_id, ("?", ()))
+        shown = [f"{n}={v}" for n, v in zip(names, key)] + [str(v) for v in key[len(names):]]
+        out.append((name, " ".join(shown), str(config)))
+    return out
 
 
 def _launch_jit(fn: "JITFunction", grid: Grid, args: tuple, kwargs: dict) -> None:

@@ -493,7 +493,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"wrote {path}")
     (args.out / "host.txt").write_text(host + "\n")
     print(f"wrote {args.out / 'host.txt'}")
+    print(f"wrote {write_tuned(args.out / 'tuned.txt')}")
     return 0
+
+
+def write_tuned(path: Path) -> Path:
+    """The autotuner's choices of this process (``kernels.launch.tuned_configs``), one per line. The
+    first point tuned decides each kernel's config for every later point of the same shapes."""
+    from .kernels.launch import tuned_configs
+
+    lines = [f"{kernel}  {key}  ->  {config}" for kernel, key, config in tuned_configs()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n" if lines else "no kernel was autotuned through kernels.launch\n")
+    return path
 
 
 def _main_e2e(args) -> int:

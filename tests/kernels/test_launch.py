@@ -131,6 +131,24 @@ def test_autotuned_launch_uses_the_tuners_choice_and_runs_its_pre_hook():
     assert _key(_scale_kernel.fn.fn, x, out, n, 4.0, **chosen.all_kwargs(), EVEN=even) in L._compiled
 
 
+def test_tuned_configs_name_each_kernel_its_key_and_the_choice(monkeypatch):
+    """One line per (kernel, tuning key): the key's arguments by name, then the dtypes."""
+    config = triton.Config({"BLOCK": 64}, num_warps=2)
+    monkeypatch.setattr(L, "_configs", {(1, (96, torch.float32, torch.float32)): config})
+    monkeypatch.setattr(L, "_tuners", {1: ("_scale_kernel", ("n",))})
+    assert L.tuned_configs() == [("_scale_kernel", "n=96 torch.float32 torch.float32", str(config))]
+
+
+@gpu
+def test_tuned_configs_list_the_autotuners_choice():
+    n = 80
+    x = torch.randn(n, device="cuda")
+    out = torch.zeros_like(x)
+    L.launch(_scale_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK"]),), x, out, n, 2.0)
+    chosen = L._configs[(id(_scale_kernel), _scale_key(x, out, n, 2.0))]
+    assert ("_scale_kernel", "n=80 torch.float32 torch.float32", str(chosen)) in L.tuned_configs()
+
+
 @gpu
 def test_launch_hooks_see_lean_launches():
     from triton import knobs

@@ -176,3 +176,13 @@ def test_host_line_names_the_cpu_and_says_when_the_step_was_not_measured(monkeyp
     assert "not measured (RuntimeError: no GPU here)" in line
     monkeypatch.setattr(bench, "host_step_ms", lambda d, h: 2.5)
     assert bench.host_line(64, 128).endswith("(GPU waiting): 2.500 ms")
+
+
+def test_tuned_txt_lists_the_autotuners_choices(monkeypatch, tmp_path):
+    from twell_compile.kernels import launch
+
+    monkeypatch.setattr(launch, "tuned_configs", lambda: [("_wgrad_kernel", "D=2048 H=5632 torch.bfloat16", "BD: 1024")])
+    path = bench.write_tuned(tmp_path / "out" / "tuned.txt")
+    assert path.read_text() == "_wgrad_kernel  D=2048 H=5632 torch.bfloat16  ->  BD: 1024\n"
+    monkeypatch.setattr(launch, "tuned_configs", lambda: [])
+    assert "no kernel was autotuned" in bench.write_tuned(path).read_text()
