@@ -433,7 +433,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--graphs", action="store_true",
                         help="also time dense eager and the TwELL op each captured in one CUDA graph, which takes the host's "
                              "launch time out of the step (what torch.compile's reduce-overhead mode does)")
-    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv and the PNG plot")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv, the PNG plot, host.txt and tuned.txt")
     e2e = parser.add_argument_group("end to end (--e2e): a Hugging Face Llama, backend='twell' against 'inductor'")
     e2e.add_argument("--e2e", action="store_true", help="benchmark the whole model instead of one FFN block")
     e2e.add_argument("--layers", type=int, default=38, help="decoder layers (default 38, the paper's 2B model)")
