@@ -67,10 +67,13 @@ Kernels, in launch order:
    ``j``'s pairs in token order (``dgate``/``dup``/``h`` recomputed from ``val``, ``up_val`` and the
    stored ``dh``) gathering ``x`` and ``dout`` rows, then over the dense rows (scratch column, or
    recomputed past ``r_cap``; with the GEMM buffer, that buffer and the rows past ``r_cap``), and
-   writes ``dWg_j``, ``dWu_j``, ``dWdᵀ_j`` and the bias grads: no atomics. Launched neuron-fastest
-   (one D slice of every neuron, then the next: the programs running together share an
-   ``[M, BD]`` slab of ``x`` and ``dout``), heaviest neuron first (a device-side argsort of the
-   pair counts), so that a skewed layer's hottest neurons do not end each slice.
+   writes ``dWg_j``, ``dWu_j``, ``dWdᵀ_j`` and the bias grads. Launched heaviest neuron first (a
+   device-side argsort of the pair counts), each neuron's D slices together, and the
+   ``_HOT_NEURONS`` hottest split in ``_HOT_SEGMENTS`` runs of pairs whose fp32 partials the last
+   to finish sums in order (a ticket per neuron and slice; deterministic), so that a skewed layer's
+   hottest neurons do not end the kernel. On the H200 (session 25, M=16384, skewed neurons) the
+   split took the kernel from 2.880 to 1.497 ms at 1% density, and launching a neuron's slices
+   together (before: one slice of every neuron, then the next) to 1.286; uniform neurons the same.
    Until session 16 the dense-row loop's 16-row chunks held every program at 211–254 registers;
    at 113–123 the autotuner picks 512–1024-wide slices with 1–2 warps (the backward at 0.5%
    density on the H200: 2.36 → 2.00 ms).
@@ -116,7 +119,7 @@ import triton.language as tl
 
 from .checks import check_ffn_operands, check_packed, check_row_list, check_tensor
 from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, RowList, column_mask, dense_list, dot, dot_split,
-                         jit_helper, rowmajor, scratch_capacity, scratch_product)
+                         jit_helper, last_to_arrive, rowmajor, scratch_capacity, scratch_product, zeroed_scratch)
 from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .launch import cdiv, launch, next_power_of_2
@@ -676,6 +679,20 @@ def _wgrad_configs():
     return [triton.Config({"BD": bd, "CK": ck}, num_warps=w, num_stages=st) for bd, ck, w, st in shapes]
 
 
+# The narrowest D slice of _wgrad_configs (the tickets of the hottest neurons' segments).
+_WGRAD_MIN_BD = min(c.kwargs["BD"] for c in _wgrad_configs())
+# The hottest neurons' pairs are split over programs. One program walks a neuron's pairs one chunk
+# at a time, so with skewed neurons (log-normal, the hottest at ~27x the mean pairs) the hottest
+# neurons' programs ended the kernel. The _HOT_NEURONS hottest, when they have _HOT_SPLIT_MIN pairs
+# or more (uniform neurons at 1% density have ~164), get _HOT_SEGMENTS programs each. On the H200
+# (session 25, M=16384, configs tuned on uniform neurons first, as the bench does), with skewed
+# neurons: 1.449 -> 0.767 ms at 0.5% density, 2.880 -> 1.497 at 1%, 5.96 -> 2.94 at 2%; uniform
+# neurons the same (0.605 / 0.614 ms at 0.5%).
+_HOT_NEURONS = 64
+_HOT_SEGMENTS = 16
+_HOT_SPLIT_MIN = 256
+
+
 def _prune_wgrad(configs, nargs, **kwargs):
     """Drop D slices wider than D needs (keep the narrowest when none fits)."""
     d_p2 = max(16, next_power_of_2(nargs["D"]))
@@ -740,7 +757,7 @@ def _add_fp32_row(acc, acc2, ptr, base, lanes, ok, PAIRS: tl.constexpr):
     return acc, acc2
 
 
-@triton.autotune(configs=_wgrad_configs(), key=["D", "H", "GATED", "PARTIAL"],
+@triton.autotune(configs=_wgrad_configs(), key=["D", "H", "GATED", "PARTIAL", "SEGS"],
                  prune_configs_by={"early_config_prune": _prune_wgrad})
 @triton.heuristics({"EVEN_D": lambda a: a["D"] % a["BD"] == 0})
 @triton.jit
@@ -750,16 +767,19 @@ def _wgrad_kernel(
     rows_ptr, ndense_ptr, coef_ptr, part_ptr, psum_ptr,
     wg_ptr, wu_ptr, wdt_ptr, bg_ptr, bu_ptr, scale_ptr,
     dwg_ptr, dwu_ptr, dwdt_ptr, dbg_ptr, dbu_ptr,
-    # dimensions (SLOT_ROW = N_TILES · SLOTS; PLANE = R_CAP · H)
-    D, H, SLOT_ROW, R_CAP, PLANE,
+    # the hottest neurons' segments: fp32 partial rows and bias sums, int32 tickets (zeroed)
+    seg_part_ptr, seg_sum_ptr, tickets_ptr,
+    # dimensions (SLOT_ROW = N_TILES · SLOTS; PLANE = R_CAP · H; TOP hottest neurons are split in
+    # SEGS segments when they have SPLIT_MIN pairs or more)
+    D, H, SLOT_ROW, R_CAP, PLANE, TOP, SPLIT_MIN,
     # row strides (elements)
     stride_xm, stride_gm, stride_wg, stride_wu, stride_wdt,
     # meta-parameters
-    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PARTIAL: tl.constexpr,
+    GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PARTIAL: tl.constexpr, SEGS: tl.constexpr,
     BK: tl.constexpr, BD: tl.constexpr, CK: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """``dWg[j, dblock]``, ``dWu[j, dblock]``, ``dWdᵀ[j, dblock]`` (and ``dbg[j]``, ``dbu[j]`` from
-    the first D slice) for neuron ``j = order[program_id(0)]`` and D slice ``program_id(1)``.
+    the first D slice) for neuron ``j = order[p]`` and D slice ``c``, ``program_id(0) = p · slices + c``.
 
     Sparse pairs: ``list[nptr[j]:nptr[j + 1]]`` (slot numbers; token = slot // SLOT_ROW), with
     ``dgate``/``dup``/``h`` recomputed from TwELL ``val``, ``up`` and the ``dh`` that
@@ -768,11 +788,32 @@ def _wgrad_kernel(
     recomputed.
     With PARTIAL, the positions ``< R_CAP`` come summed by ``_dense_wgrad_kernel`` (``part``,
     ``psum``) instead. dwg, dwu, dwdt ``[H, D]`` contiguous; every element written exactly once.
+
+    Programs ``p = 0 .. TOP·SEGS - 1`` take the ``TOP`` hottest neurons (``order`` is by decreasing
+    pair count), ``SEGS`` programs each; the rest one neuron each. A hot neuron with ``SPLIT_MIN``
+    pairs or more is split: segment ``s`` takes list positions ``[n·s/SEGS, n·(s+1)/SEGS)`` (and
+    segment 0 the dense rows), stores fp32 partial rows, and the last segment to arrive (a ticket
+    per neuron and D slice) sums them in segment order and writes the result: deterministic, one
+    rounding. Otherwise segment 0 takes every pair and the others return.
     """
-    j64 = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    n_slices = tl.cdiv(D, BD)
+    p0 = tl.program_id(0) // n_slices  # one axis: a neuron's D slices launch next to each other
+    pd = tl.program_id(0) % n_slices
+    heavy = p0 < TOP * SEGS
+    rank = tl.where(heavy, p0 // SEGS, p0 - TOP * (SEGS - 1))
+    seg = tl.where(heavy, p0 % SEGS, 0)
+    j64 = tl.load(order_ptr + rank).to(tl.int64)
+    start = tl.load(nptr_ptr + j64)
+    end = tl.load(nptr_ptr + j64 + 1)
+    split = heavy & (end - start >= SPLIT_MIN)
+    if split:
+        n = end - start
+        start, end = start + n * seg // SEGS, start + n * (seg + 1) // SEGS
+    elif seg > 0:
+        return
+    offs_d = pd * BD + tl.arange(0, BD)
     d_ok = column_mask(offs_d, D, EVEN_D)
-    lanes, l_ok = row_lanes(tl.program_id(1), D, BD, PAIRS, EVEN_D)
+    lanes, l_ok = row_lanes(pd, D, BD, PAIRS, EVEN_D)
     acc_g, acc_g2 = zero_row(lanes, PAIRS)
     acc_u, acc_u2 = zero_row(lanes, PAIRS)
     acc_d, acc_d2 = zero_row(lanes, PAIRS)
@@ -780,8 +821,6 @@ def _wgrad_kernel(
     # Sparse pairs, in token order.
     sum_g = tl.full((CK,), 0.0, tl.float32)
     sum_u = tl.full((CK,), 0.0, tl.float32)
-    start = tl.load(nptr_ptr + j64)
-    end = tl.load(nptr_ptr + j64 + 1)
     offs_k = tl.arange(0, CK)
     # Each iteration loads the next chunk's slot numbers while this chunk's rows are gathered.
     k_ok = start + offs_k < end
@@ -816,7 +855,7 @@ def _wgrad_kernel(
     # which halved the kernel's occupancy: the backward took 2.36 ms at 0.5% density, now 2.00.
     dsum_g = tl.full((CK,), 0.0, tl.float32)
     dsum_u = tl.full((CK,), 0.0, tl.float32)
-    n_dense = tl.load(ndense_ptr)
+    n_dense = tl.where(seg == 0, tl.load(ndense_ptr), 0)  # a split neuron's dense rows: segment 0's
     scale = tl.load(scale_ptr)
     offs_r = tl.arange(0, CK)
     first = 0
@@ -873,16 +912,51 @@ def _wgrad_kernel(
             acc_g, acc_g2 = _row_update(acc_g, acc_g2, d_gate, xr, PAIRS)
             dsum_g += d_gate
 
-    out = j64 * D + offs_d
-    tl.store(dwu_ptr + out, join_row(acc_u, acc_u2, PAIRS).to(dwu_ptr.dtype.element_ty), mask=d_ok)
-    tl.store(dwdt_ptr + out, join_row(acc_d, acc_d2, PAIRS).to(dwdt_ptr.dtype.element_ty), mask=d_ok)
-    if GATED:
-        tl.store(dwg_ptr + out, join_row(acc_g, acc_g2, PAIRS).to(dwg_ptr.dtype.element_ty), mask=d_ok)
-    if tl.program_id(1) == 0:
-        if HAS_BU:
-            tl.store(dbu_ptr + j64, (_sum(sum_u, axis=0) + _sum(dsum_u, axis=0)).to(dbu_ptr.dtype.element_ty))
-        if HAS_BG:
-            tl.store(dbg_ptr + j64, (_sum(sum_g, axis=0) + _sum(dsum_g, axis=0)).to(dbg_ptr.dtype.element_ty))
+    row_u = join_row(acc_u, acc_u2, PAIRS)
+    row_d = join_row(acc_d, acc_d2, PAIRS)
+    row_g = join_row(acc_g, acc_g2, PAIRS)
+    bias_u = _sum(sum_u, axis=0) + _sum(dsum_u, axis=0)
+    bias_g = _sum(sum_g, axis=0) + _sum(dsum_g, axis=0)
+    write = tl.full([], 1, tl.int32)
+    if split:
+        at = (rank * SEGS + seg).to(tl.int64)
+        base = at * 3 * D
+        tl.store(seg_part_ptr + base + offs_d, row_u, mask=d_ok)
+        tl.store(seg_part_ptr + base + D + offs_d, row_d, mask=d_ok)
+        if GATED:
+            tl.store(seg_part_ptr + base + 2 * D + offs_d, row_g, mask=d_ok)
+        if pd == 0:
+            tl.store(seg_sum_ptr + 2 * at, bias_u)
+            tl.store(seg_sum_ptr + 2 * at + 1, bias_g)
+        write = write * 0
+        if last_to_arrive(tickets_ptr + rank * n_slices + pd, SEGS, True):
+            write = write + 1
+            row_u = tl.zeros([BD], tl.float32)
+            row_d = tl.zeros([BD], tl.float32)
+            row_g = tl.zeros([BD], tl.float32)
+            bias_u = tl.zeros([], tl.float32)
+            bias_g = tl.zeros([], tl.float32)
+            for t in range(SEGS):
+                at = (rank * SEGS + t).to(tl.int64)
+                base = at * 3 * D
+                row_u += tl.load(seg_part_ptr + base + offs_d, mask=d_ok, other=0.0, cache_modifier=".cg")
+                row_d += tl.load(seg_part_ptr + base + D + offs_d, mask=d_ok, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    row_g += tl.load(seg_part_ptr + base + 2 * D + offs_d, mask=d_ok, other=0.0, cache_modifier=".cg")
+                if pd == 0:
+                    bias_u += tl.load(seg_sum_ptr + 2 * at, cache_modifier=".cg")
+                    bias_g += tl.load(seg_sum_ptr + 2 * at + 1, cache_modifier=".cg")
+    if write != 0:
+        out = j64 * D + offs_d
+        tl.store(dwu_ptr + out, row_u.to(dwu_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(dwdt_ptr + out, row_d.to(dwdt_ptr.dtype.element_ty), mask=d_ok)
+        if GATED:
+            tl.store(dwg_ptr + out, row_g.to(dwg_ptr.dtype.element_ty), mask=d_ok)
+        if pd == 0:
+            if HAS_BU:
+                tl.store(dbu_ptr + j64, bias_u.to(dbu_ptr.dtype.element_ty))
+            if HAS_BG:
+                tl.store(dbg_ptr + j64, bias_g.to(dbg_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1075,15 +1149,20 @@ def sparse_ffn_backward(
             x, dout, rows, n_dense, coef, part, psum, d, h, r_cap, r_cap * h, x.stride(0), dout.stride(0),
             GATED=gated, SPLIT=x.dtype == torch.bfloat16, NATIVE=native, BR=BR, BJ=bj, BD=bd_w, num_warps=warps_w,
         )
-    # Neurons by decreasing pair count (order), per D slice: with skewed neurons (log-normal, the
-    # hottest at 27x the mean pairs) the hottest ones' programs, launched in neuron order, ended
-    # each slice.
-    launch(_wgrad_kernel, lambda meta: (h, cdiv(d, meta["BD"])),
+    # Neurons by decreasing pair count (order), each neuron's D slices together, the hottest
+    # neurons' pairs in segments (see _wgrad_kernel): fp32 partials and a ticket per (neuron, D
+    # slice) of the narrowest slice any config takes.
+    top, segs, split_min = (min(h, 3), 3, 2) if INTERPRET else (min(h, _HOT_NEURONS), _HOT_SEGMENTS, _HOT_SPLIT_MIN)
+    seg_part = torch.empty(top * segs * 3 * d, dtype=torch.float32, device=dev)
+    seg_sum = torch.empty(top * segs * 2, dtype=torch.float32, device=dev)
+    tickets = zeroed_scratch(top * cdiv(d, _WGRAD_MIN_BD), dev, reuse=reuse_tickets)
+    launch(_wgrad_kernel, lambda meta: ((h + top * (segs - 1)) * cdiv(d, meta["BD"]),),
         x, dout, val, up, dh, nptr, lists, order, rows, n_dense, coef, part, psum,
         wg_, wu, wdt, bg_, bu_, scale,
         dwg if gated else dwu, dwu, dwdt, dbg if dbg is not None else dummy, dbu if dbu is not None else dummy,
-        d, h, n_tiles * slots, r_cap, r_cap * h,
+        seg_part, seg_sum, tickets,
+        d, h, n_tiles * slots, r_cap, r_cap * h, top, split_min,
         x.stride(0), dout.stride(0), *w_strides,
-        **flags, PARTIAL=partial, BK=bk, PAIRS=paired(x, dout),
+        **flags, PARTIAL=partial, SEGS=segs, BK=bk, PAIRS=paired(x, dout),
     )
     return Grads(dx, dwg, dwu, transposed(dwdt), dbg, dbu, dbd)

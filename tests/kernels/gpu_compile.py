@@ -46,7 +46,8 @@ TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torc
 D, SLOTS, TILE_N, NT_P2 = 2048, 16, 128, 64
 
 # Pointer arguments that are not of the FFN's dtype (the rest are).
-F32 = {"val_ptr", "up_ptr", "coef_ptr", "hid_ptr", "part_ptr", "psum_ptr", "dh_ptr", "scale_ptr"}
+F32 = {"val_ptr", "up_ptr", "coef_ptr", "hid_ptr", "part_ptr", "psum_ptr", "dh_ptr", "scale_ptr", "seg_part_ptr",
+       "seg_sum_ptr"}
 I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr", "ticket_ptr", "tickets_ptr", "blk_ptr"}
 U8 = {"whole_ptr"}
 # Integer arguments that are multiples of 16 at the benchmark shape (M = 16384, D, H).
@@ -239,7 +240,7 @@ def variants(arch: str, full: bool):
                 yield f"wgrad {tag} partial={partial} pairs={pairs} {_name(cfg)}", (
                     lambda dtype=dtype, gated=gated, cfg=cfg, partial=partial, pairs=pairs: compile_kernel(
                         SB._wgrad_kernel, target, dtype,
-                        dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, BK=64,
+                        dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, SEGS=SB._HOT_SEGMENTS, BK=64,
                              EVEN_D=sixteen, PAIRS=pairs),
                         {"nptr_ptr": "*i64", "order_ptr": "*i64"}, cfg))
 

@@ -30,7 +30,8 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.strategies import EDGE_H, densities, sizes  # noqa: E402
-from tests.utils import FFN, GRAD_NAMES, assert_close_verbose, dense_grads, gate_threshold, make_ffn, rel_error  # noqa: E402
+from tests.utils import (FFN, GRAD_NAMES, assert_close_verbose, dense_grads, gate_threshold, make_ffn,  # noqa: E402
+                         make_ffn_with_pattern, rel_error)
 from twell_compile.kernels import reference as R  # noqa: E402
 from twell_compile.kernels import sparse_ffn_bwd as K  # noqa: E402
 from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellLayout, TwellPacked  # noqa: E402
@@ -305,6 +306,32 @@ def test_many_dense_rows_across_the_scratch_boundary(scratch, gemm):
     assert_grads_close(got, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
 
 
+@pytest.mark.parametrize("gemm", [False, True])
+@pytest.mark.parametrize("gated", [True, False])
+def test_hottest_neurons_split_over_programs(gated, gemm):
+    """The weight-gradient kernel splits the hottest neurons' pairs over several programs (in the
+    interpreter: the 3 hottest, 3 segments each, from 2 pairs) and sums the segments' partials in
+    one program per D slice (D = 41: two slices, the second partial): neurons active on 19, 11 and
+    5 of 40 tokens, one with a single pair, sparse others, and two all-active rows computed densely
+    (segment 0 adds their share)."""
+    m, h = 40, 40
+    gen = torch.Generator().manual_seed(9)
+    active = torch.rand(m, h, generator=gen) < 0.06
+    for j, n in ((7, 19), (30, 11), (12, 5)):
+        active[:, j] = False
+        active[torch.randperm(m, generator=gen)[:n], j] = True
+    active[:, 21] = False
+    active[3, 21] = True
+    active[[4, 17]] = True  # all-active rows: their tiles overflow, so they are computed densely
+    ffn = _on(make_ffn_with_pattern(active, gated=gated, bias=True, seed=9), DEV)
+    dout = _dout(m, m + 1, torch.float32, 9)
+    packed, up_val = _forward(ffn)
+    dense_rows = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
+    assert dense_rows.nonzero().flatten().tolist() == [4, 17]
+    got = _grads(ffn, dout, packed, up_val, 0.5, dense_rows=dense_rows, gemm=gemm)
+    assert_grads_close(got, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_dense_rows_dx_over_several_h_splits(gated):
     """H = 600 spans three H splits of the scratch dx kernel (the last one partial), with 18 dense
@@ -527,6 +554,38 @@ def test_gpu_accuracy_vs_float64_at_benchmark_shape(density, l1_per_token):
             ours = rel_error(g, ref64[name])
             theirs = rel_error(dense16[name], ref64[name], nan_mismatch="inf")
             assert ours <= 1.05 * theirs + 1e-6, f"{label}{name}: sparse {ours:.3e} vs dense bf16 {theirs:.3e}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_hot_neurons_split_over_programs():
+    """M=4096, D=2048, H=5632, bf16, 0.5% density, with 9 neurons active on half the tokens (~2048
+    pairs each, past ``_HOT_SPLIT_MIN``): the weight-gradient kernel splits their pairs over
+    ``_HOT_SEGMENTS`` programs. Each gradient is as accurate as dense bf16 autograd against
+    float64, and bitwise the same run to run (the segments are summed in a fixed order)."""
+    m, d, h = 4096, 2048, 5632
+    ffn = _gpu_ffn(m, d, h, 0.005, seed=4)
+    hot = torch.arange(0, h, 700, device="cuda")
+    ffn.bg[hot] = 0.0  # gate = N(0, 1) over tokens: active on half of them
+    dout = (torch.randn(m, d, device="cuda", dtype=torch.float64) * 0.1).to(torch.bfloat16)
+    l1 = 0.3 * m
+    packed, up_val = _forward(ffn)
+    assert int((packed.idx[packed.stored_mask()] == 700).sum()) >= K._HOT_SPLIT_MIN
+    rows = K.backward_dense_rows(dout, *ffn.args(), packed)
+    rows[::512] = True  # 8 dense rows: segment 0 of each split neuron adds them
+    _, ref64 = dense_grads(ffn.double(), dout.double(), l1)
+    _, dense16 = dense_grads(ffn, dout, l1)
+    for gemm in (False, True):
+        args = (dout, *ffn.args(), packed, up_val, rows, torch.tensor(l1, device="cuda"))
+        got = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
+        again = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
+        for name, g, g2 in zip(GRAD_NAMES, got, again):
+            if g is None:
+                continue
+            assert torch.equal(g, g2), f"gemm={gemm} {name} differs run to run"
+            ours = rel_error(g, ref64[name])
+            theirs = rel_error(dense16[name], ref64[name], nan_mismatch="inf")
+            assert ours <= 1.05 * theirs + 1e-6, f"gemm={gemm} {name}: sparse {ours:.3e} vs dense bf16 {theirs:.3e}"
 
 
 @gpu
