@@ -43,9 +43,12 @@ from . import telemetry
 # 1.05x / 1.09x at 0.8%, 1.01x / 1.11x at 0.9%, 0.96x at 1%, against 0.91-0.99x for the dense path
 # (0.97-1.06x since session 11's fused activation). Training: 1.26x / 1.09x at 0.6%, 1.13x / 1.00x
 # at 0.7%, 1.06x / 0.92x at 0.8%, against 1.01-1.03x for the dense path; since session 11's fused
-# passes the dense path is 1.12-1.14x, and forced sparse measured 1.20x / 1.07x at 0.7%. Each
-# threshold sits at or below the skewed crossover, with the heavy rows of real models in mind.
-SPARSE_MAX_DENSITY = {"inference": 0.008, "training": 0.0065}
+# passes the dense path is 1.12-1.14x, and forced sparse measured 1.20x / 1.07x at 0.7%. Since
+# session 25's weight-gradient kernel (the hottest neurons split over programs), forced sparse
+# training at 1% runs 1.32x / 1.27x of dense in CUDA graphs (eager 1.24x / 1.19x on a slow host),
+# crossing the dense path near 1.2% / 1.15% (1.1% eager). Each threshold sits at or below the skewed
+# crossover, with the heavy rows of real models in mind.
+SPARSE_MAX_DENSITY = {"inference": 0.008, "training": 0.0105}
 # Below this many tokens per call the sparse path is bound by its host time (~1.0 ms per call on
 # the H200's host in session 4: op dispatch, Triton launches, guard and telemetry ops), which dense cuBLAS
 # at D=2048, H=5632 undercuts below ~9.4k tokens (M=4096: sparse 1.40 ms, dense 0.44 ms).
