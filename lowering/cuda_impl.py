@@ -44,10 +44,10 @@ from . import telemetry
 # (0.97-1.06x since session 11's fused activation). Training: 1.26x / 1.09x at 0.6%, 1.13x / 1.00x
 # at 0.7%, 1.06x / 0.92x at 0.8%, against 1.01-1.03x for the dense path; since session 11's fused
 # passes the dense path is 1.12-1.14x, and forced sparse measured 1.20x / 1.07x at 0.7%. Since
-# session 25's weight-gradient kernel (the hottest neurons split over programs), forced sparse
-# training at 1% runs 1.32x / 1.27x of dense in CUDA graphs (eager 1.24x / 1.19x on a slow host),
-# crossing the dense path near 1.2% / 1.15% (1.1% eager). Each threshold sits at or below the skewed
-# crossover, with the heavy rows of real models in mind.
+# session 25's weight-gradient kernel (the hottest neurons split over programs), sparse training
+# at 1% runs 1.31x / 1.30x of dense in CUDA graphs and 1.22x / 1.21x eager on a slow host, against
+# the dense path's 1.13x, crossing it near 1.2% / 1.15% (~1.1% eager), and 0.72x at 2%. Each
+# threshold sits at or below the skewed crossover, with the heavy rows of real models in mind.
 SPARSE_MAX_DENSITY = {"inference": 0.008, "training": 0.0105}
 # Below this many tokens per call the sparse path is bound by its host time (~1.0 ms per call on
 # the H200's host in session 4: op dispatch, Triton launches, guard and telemetry ops), which dense cuBLAS
