@@ -239,6 +239,34 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, call
     return statistics.median(times)
 
 
+def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, reps: int = 30,
+                   calls: int = 4) -> dict[str, float]:
+    """``median_ms`` of each of ``fns``, their samples interleaved: sample ``r`` times every
+    provider once, in the given order for even ``r`` and in reverse for odd ones.
+
+    Providers timed one after another compare unfairly on the H200: under sustained GEMM load its
+    SM clock drops (1.80 -> 1.53 GHz at ~690 W, session 25), so whichever runs second measured up to
+    ~8% slower (graphed dense against the op's dense path, alternating which ran first: 0.95-1.08x
+    where the mean was 1.02x). Interleaving gives every provider the same share of the clock.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fns[name]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` captured in one CUDA graph; returns its replay. Warm-up calls run first on a side
     stream (as ``torch.cuda.graphs`` asks), which also tunes and compiles every kernel. A replay
@@ -274,16 +302,24 @@ def _forced(path: Optional[str]):
     cuda_impl.FORCE_PATH = path
 
 
+def _sparse_forced(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` with the sparse path forced for its duration only (to interleave it with others)."""
+    def call() -> None:
+        _forced("sparse")
+        try:
+            fn()
+        finally:
+            _forced(None)
+    return call
+
+
 def _graphed_ms(dense: Callable[[], object], twell: Callable[[], object], reps: int) -> tuple[float, float]:
-    """Dense and TwELL times, each provider captured in a CUDA graph; NaN, with the reason on
-    stderr, if a capture fails (the other columns stand)."""
+    """Dense and TwELL times, each provider captured in a CUDA graph and their replays interleaved
+    (``interleaved_ms``); NaN, with the reason on stderr, if a capture fails (the other columns
+    stand)."""
     try:
-        times = []
-        for fn in (dense, twell):
-            replay = graphed(fn)
-            times.append(median_ms(replay, reps=reps))
-            del replay
-        return times[0], times[1]
+        times = interleaved_ms({"dense": graphed(dense), "twell": graphed(twell)}, reps=reps)
+        return times["dense"], times["twell"]
     except Exception as err:  # noqa: BLE001 - a report column: say what failed, keep the point
         print(f"twell bench: CUDA-graph timing failed ({type(err).__name__}: {err})", file=sys.stderr)
         return float("nan"), float("nan")
@@ -308,12 +344,13 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
     compiled = compiled_cache.setdefault(("train" if train else "infer"), torch.compile(dense_train_step if train else dense_ffn))
     if not train:
         with torch.no_grad():
-            t_eager = median_ms(lambda: dense_ffn(x, wg, wu, wd), reps=reps)
-            t_comp = median_ms(lambda: compiled(x, wg, wu, wd), reps=reps)
-            t_twell = median_ms(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000), reps=reps)
-            _forced("sparse")
-            t_sparse = median_ms(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_001), reps=reps)
-            _forced(None)
+            t = interleaved_ms({
+                "eager": lambda: dense_ffn(x, wg, wu, wd),
+                "compiled": lambda: compiled(x, wg, wu, wd),
+                "twell": lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000),
+                "sparse": _sparse_forced(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_001)),
+            }, reps=reps)
+            t_eager, t_comp, t_twell, t_sparse = t["eager"], t["compiled"], t["twell"], t["sparse"]
             if graphs:
                 g_dense, g_twell = _graphed_ms(lambda: dense_ffn(x, wg, wu, wd),
                                                lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000), reps)
@@ -323,18 +360,24 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
         dout = torch.randn_like(x)
         coeff = torch.tensor(l1_coeff, device=x.device)
         weights = params[1:]
-        t_eager = median_ms(lambda: (dense_train_step(*params, dout, l1_coeff), weights_updated(weights)), reps=reps)
-        t_comp = median_ms(lambda: (compiled(*params, dout, l1_coeff), weights_updated(weights)), reps=reps)
-        t_twell = median_ms(lambda: (twell_train_step(*params, dout, coeff), weights_updated(weights)), reps=reps)
+        providers = {
+            "eager": lambda: (dense_train_step(*params, dout, l1_coeff), weights_updated(weights)),
+            "compiled": lambda: (compiled(*params, dout, l1_coeff), weights_updated(weights)),
+            "twell": lambda: (twell_train_step(*params, dout, coeff), weights_updated(weights)),
+        }
+        sparse_timed = measured <= max_sparse_train_density  # the forced sparse backward is slow when dense
+        if sparse_timed:
+            providers["sparse"] = _sparse_forced(providers["twell"])
+        t = interleaved_ms(providers, reps=reps)
+        t_eager, t_comp, t_twell = t["eager"], t["compiled"], t["twell"]
         mem_dense = peak_mb(lambda: dense_train_step(*params, dout, l1_coeff))
         if graphs:
             g_dense, g_twell = _graphed_ms(lambda: dense_train_step(*params, dout, l1_coeff),
                                            lambda: twell_train_step(*params, dout, coeff), reps)
         t_sparse = mem_twell = float("nan")
-        if measured <= max_sparse_train_density:  # the forced sparse backward is slow when dense
+        if sparse_timed:
+            t_sparse = t["sparse"]
             _forced("sparse")
-            t_sparse = median_ms(lambda: (twell_train_step(*params, dout, coeff), weights_updated(weights)), warmup=2,
-                                 reps=max(3, reps // 3))
             mem_twell = peak_mb(lambda: twell_train_step(*params, dout, coeff))
             _forced(None)
     return Row(

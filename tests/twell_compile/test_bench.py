@@ -186,3 +186,42 @@ def test_tuned_txt_lists_the_autotuners_choices(monkeypatch, tmp_path):
     assert path.read_text() == "_wgrad_kernel  D=2048 H=5632 torch.bfloat16  ->  BD: 1024\n"
     monkeypatch.setattr(launch, "tuned_configs", lambda: [])
     assert "no kernel was autotuned" in bench.write_tuned(path).read_text()
+
+
+def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
+    """``interleaved_ms`` samples every provider once per round, in the given order and then in
+    reverse (so no provider always runs after the others on a GPU whose clock drops under load),
+    and returns each provider's median per call. CUDA events are faked on a clock that each call
+    advances by its provider's cost."""
+    clock = {"now": 0.0}
+    calls: list[str] = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = clock["now"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def provider(name, cost):
+        def call():
+            calls.append(name)
+            clock["now"] += cost
+        return call
+
+    times = bench.interleaved_ms({"a": provider("a", 1.0), "b": provider("b", 3.0), "c": provider("c", 0.5)},
+                                 warmup=1, reps=4, calls=2)
+    assert times == {"a": 1.0, "b": 3.0, "c": 0.5}
+    assert calls[:3] == ["a", "b", "c"]  # warm-up
+    rounds = [calls[3 + 6 * r: 3 + 6 * (r + 1)] for r in range(4)]
+    assert rounds == [["a", "a", "b", "b", "c", "c"], ["c", "c", "b", "b", "a", "a"]] * 2
+    assert len(calls) == 3 + 24
