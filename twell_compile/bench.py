@@ -239,25 +239,36 @@ def median_ms(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, call
     return statistics.median(times)
 
 
+# Bytes written before each interleaved sample to evict the L2 (the H200's is 60 MiB), as
+# triton.testing.do_bench does (256 MB).
+L2_FLUSH_BYTES = 256 * 2**20
+
+
 def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, reps: int = 30,
                    calls: int = 4) -> dict[str, float]:
     """``median_ms`` of each of ``fns``, their samples interleaved: sample ``r`` times every
-    provider once, in the given order for even ``r`` and in reverse for odd ones.
+    provider once, in the given order for even ``r`` and in reverse for odd ones, each sample
+    starting from a flushed L2 (as ``triton.testing.do_bench`` does before each call).
 
     Providers timed one after another compare unfairly on the H200: under sustained GEMM load its
     SM clock drops (1.80 -> 1.53 GHz at ~690 W, session 25), so whichever runs second measured up to
     ~8% slower (graphed dense against the op's dense path, alternating which ran first: 0.95-1.08x
-    where the mean was 1.02x). Interleaving gives every provider the same share of the clock.
+    where the mean was 1.02x). Interleaving gives every provider the same share of the clock. The
+    flush gives each the same cache: a sample that followed a provider with the same weights found
+    them in L2 (the op at 0.3% density, skewed: 1.015 ms a call timed alone, 1.073 interleaved
+    with dense), as a layer in a model, between other layers' work, does not.
     """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     torch.cuda.synchronize()
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps):
         for name in (names if r % 2 == 0 else names[::-1]):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flush.zero_()
             start.record()
             for _ in range(calls):
                 fns[name]()

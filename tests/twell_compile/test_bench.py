@@ -211,6 +211,20 @@ def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 64)
+    real_empty = torch.empty
+
+    def flush_buffer(*shape, device=None, **kwargs):  # the flush buffer, on the CPU here
+        assert device == "cuda"
+        buf = real_empty(*shape, **kwargs)
+        real_zero = buf.zero_
+
+        def zero_():
+            calls.append("flush")
+            return real_zero()
+        buf.zero_ = zero_
+        return buf
+    monkeypatch.setattr(torch, "empty", flush_buffer)
 
     def provider(name, cost):
         def call():
@@ -222,6 +236,8 @@ def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
                                  warmup=1, reps=4, calls=2)
     assert times == {"a": 1.0, "b": 3.0, "c": 0.5}
     assert calls[:3] == ["a", "b", "c"]  # warm-up
-    rounds = [calls[3 + 6 * r: 3 + 6 * (r + 1)] for r in range(4)]
-    assert rounds == [["a", "a", "b", "b", "c", "c"], ["c", "c", "b", "b", "a", "a"]] * 2
-    assert len(calls) == 3 + 24
+    rounds = [calls[3 + 9 * r: 3 + 9 * (r + 1)] for r in range(4)]
+    forward = ["flush", "a", "a", "flush", "b", "b", "flush", "c", "c"]
+    backward = ["flush", "c", "c", "flush", "b", "b", "flush", "a", "a"]
+    assert rounds == [forward, backward] * 2  # every sample starts from a flushed L2
+    assert len(calls) == 3 + 36
