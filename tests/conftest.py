@@ -34,6 +34,17 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip, saying why, where there is no CUDA device (e.g. ``-m "slow or not slow"``
+    on a CPU machine), instead of failing on their first ``.cuda()``."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (the gpu marker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def device() -> str:
     """Where test tensors live: the GPU when there is one, else the CPU (interpreted kernels)."""
