@@ -218,27 +218,6 @@ def host_line(d: int, h: int) -> str:
             f"at M=512 (GPU waiting): {step}")
 
 
-def median_ms(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, calls: int = 4) -> float:
-    """Median over ``reps`` samples of the CUDA-event time of ``calls`` back-to-back calls, per call.
-
-    Several calls per sample let the host run ahead as in a model, so each provider's Python
-    overhead overlaps its GPU work instead of being timed as idle GPU time.
-    """
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 # Bytes written before each interleaved sample to evict the L2 (the H200's is 60 MiB), as
 # triton.testing.do_bench does (256 MB).
 L2_FLUSH_BYTES = 256 * 2**20
@@ -246,9 +225,12 @@ L2_FLUSH_BYTES = 256 * 2**20
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, reps: int = 30,
                    calls: int = 4) -> dict[str, float]:
-    """``median_ms`` of each of ``fns``, their samples interleaved: sample ``r`` times every
-    provider once, in the given order for even ``r`` and in reverse for odd ones, each sample
-    starting from a flushed L2 (as ``triton.testing.do_bench`` does before each call).
+    """Each of ``fns``' median over ``reps`` samples of the CUDA-event time of ``calls``
+    back-to-back calls, per call. Several calls per sample let the host run ahead as in a model,
+    so each provider's Python overhead overlaps its GPU work instead of being timed as idle GPU
+    time. The samples are interleaved: sample ``r`` times every provider once, in the given order
+    for even ``r`` and in reverse for odd ones, each sample starting from a flushed L2 (as
+    ``triton.testing.do_bench`` does before each call).
 
     Providers timed one after another compare unfairly on the H200: under sustained GEMM load its
     SM clock drops (1.80 -> 1.53 GHz at ~690 W, session 25), so whichever runs second measured up to
