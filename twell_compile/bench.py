@@ -226,11 +226,10 @@ L2_FLUSH_BYTES = 256 * 2**20
 def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, reps: int = 30,
                    calls: int = 4) -> dict[str, float]:
     """Each of ``fns``' median over ``reps`` samples of the CUDA-event time of ``calls``
-    back-to-back calls, per call. Several calls per sample let the host run ahead as in a model,
-    so each provider's Python overhead overlaps its GPU work instead of being timed as idle GPU
-    time. The samples are interleaved: sample ``r`` times every provider once, in the given order
-    for even ``r`` and in reverse for odd ones, each sample starting from a flushed L2 (as
-    ``triton.testing.do_bench`` does before each call).
+    back-to-back calls, per call. The samples are interleaved: sample ``r`` times every provider
+    once, in the given order for even ``r`` and in reverse for odd ones, each sample starting from
+    a flushed L2, and the host waits for the GPU only once, after the last sample, as
+    ``triton.testing.do_bench`` does.
 
     Providers timed one after another compare unfairly on the H200: under sustained GEMM load its
     SM clock drops (1.80 -> 1.53 GHz at ~690 W, session 25), so whichever runs second measured up to
@@ -239,6 +238,13 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, rep
     flush gives each the same cache: a sample that followed a provider with the same weights found
     them in L2 (the op at 0.3% density, skewed: 1.015 ms a call timed alone, 1.073 interleaved
     with dense), as a layer in a model, between other layers' work, does not.
+
+    With no wait between samples the host runs ahead of the GPU, as it does through a model's
+    layers, so a provider's host work is timed only where it is slower than its GPU work. A wait
+    after each sample (session 25's protocol) timed the host's head start of every sample's first
+    call and wherever its work bunched before the GPU's queue filled: a sparse training step at 1%
+    density took 4.85 ms a step in 4-step samples against 4.49 ms back to back (its GPU work: 4.43
+    ms), a host-time artefact the dense providers, with ~0.1 ms of host work a call, barely paid.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -246,7 +252,7 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, rep
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     torch.cuda.synchronize()
     names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    samples: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
     for r in range(reps):
         for name in (names if r % 2 == 0 else names[::-1]):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -255,8 +261,11 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, rep
             for _ in range(calls):
                 fns[name]()
             end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / calls)
+            samples.append((name, start, end))
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for name, start, end in samples:
+        times[name].append(start.elapsed_time(end) / calls)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -191,7 +191,8 @@ def test_tuned_txt_lists_the_autotuners_choices(monkeypatch, tmp_path):
 def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
     """``interleaved_ms`` samples every provider once per round, in the given order and then in
     reverse (so no provider always runs after the others on a GPU whose clock drops under load),
-    and returns each provider's median per call. CUDA events are faked on a clock that each call
+    waits for the GPU only after the last sample (so the host runs ahead, as in a model), and
+    returns each provider's median per call. CUDA events are faked on a clock that each call
     advances by its provider's cost."""
     clock = {"now": 0.0}
     calls: list[str] = []
@@ -204,13 +205,14 @@ def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
             self.at = clock["now"]
 
         def synchronize(self):
-            pass
+            calls.append("sync")
 
         def elapsed_time(self, end):
+            assert calls[-1] == "sync", "an event read before the GPU was waited for"
             return end.at - self.at
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
     monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 64)
     real_empty = torch.empty
 
@@ -235,9 +237,10 @@ def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
     times = bench.interleaved_ms({"a": provider("a", 1.0), "b": provider("b", 3.0), "c": provider("c", 0.5)},
                                  warmup=1, reps=4, calls=2)
     assert times == {"a": 1.0, "b": 3.0, "c": 0.5}
-    assert calls[:3] == ["a", "b", "c"]  # warm-up
-    rounds = [calls[3 + 9 * r: 3 + 9 * (r + 1)] for r in range(4)]
+    assert calls[:4] == ["a", "b", "c", "sync"]  # warm-up
+    rounds = [calls[4 + 9 * r: 4 + 9 * (r + 1)] for r in range(4)]
     forward = ["flush", "a", "a", "flush", "b", "b", "flush", "c", "c"]
     backward = ["flush", "c", "c", "flush", "b", "b", "flush", "a", "a"]
     assert rounds == [forward, backward] * 2  # every sample starts from a flushed L2
-    assert len(calls) == 3 + 36
+    assert calls[4 + 36:] == ["sync"]  # one wait, after the last sample
+    assert len(calls) == 4 + 36 + 1
