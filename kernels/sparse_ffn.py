@@ -315,6 +315,7 @@ def load_pair(idx_ptr, val_ptr, slot0, tau, s, N_TILES, SLOTS: tl.constexpr, EVI
 # STORE_UP is in the key: training (which stores up values) and inference tune separately. With
 # one shared entry, training ran with the config inference picked first: 1.15 ms per call in an H200
 # profile, against 0.79 ms with its own pick, (1, 4, 1), at 0.5% density.
+# STORE_L1 is not: its one sum per pair leaves the loop's best config as it is.
 @triton.autotune(configs=_sparse_configs(), key=["D", "H", "GATED", "STORE_UP", "PAIRS"],
                  prune_configs_by={"early_config_prune": _prune_sparse})
 @triton.heuristics({"EVEN_D": lambda a: a["D"] % a["BLOCK_D"] == 0})
@@ -322,14 +323,14 @@ def load_pair(idx_ptr, val_ptr, slot0, tau, s, N_TILES, SLOTS: tl.constexpr, EVI
 def _sparse_ffn_kernel(
     # pointers
     x_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr,
-    idx_ptr, val_ptr, count_ptr, dense_ptr, out_ptr, up_ptr, whole_ptr,
+    idx_ptr, val_ptr, count_ptr, dense_ptr, out_ptr, up_ptr, whole_ptr, l1_ptr,
     # dimensions
     M, D, H, N_TILES,
     # row strides (elements; every last dimension is contiguous)
     stride_xm, stride_wu, stride_wdt, stride_om,
     # meta-parameters
     GATED: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    STORE_UP: tl.constexpr, STORE_WHOLE: tl.constexpr, SLOTS: tl.constexpr,
+    STORE_UP: tl.constexpr, STORE_WHOLE: tl.constexpr, STORE_L1: tl.constexpr, SLOTS: tl.constexpr,
     NT_P2: tl.constexpr, BLOCK_D: tl.constexpr, OVF: tl.constexpr, TOKENS: tl.constexpr,
     BITS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr,
 ):
@@ -341,7 +342,9 @@ def _sparse_ffn_kernel(
     (``count > SLOTS``); with ``STORE_WHOLE``, ``whole [M]`` (uint8) receives that flag; the
     dense-row kernels write those rows.
     With STORE_UP, ``up [M, N_TILES, SLOTS]`` fp32 receives the up value of
-    each stored pair of a row with no overflowed tile and no dense flag.
+    each stored pair of a row with no overflowed tile and no dense flag. With STORE_L1,
+    ``l1 [M]`` fp32 receives each such row's ``Σ |h|`` over its stored pairs, and 0 for every
+    whole-dense row.
     """
     pid = tl.program_id(0)
     lanes, l_ok = row_lanes(0, D, BLOCK_D, PAIRS, EVEN_D)
@@ -360,6 +363,7 @@ def _sparse_ffn_kernel(
             if STORE_WHOLE:
                 tl.store(whole_ptr + t64, (sparse_row == 0).to(tl.uint8))
             slot0 = t64 * N_TILES * SLOTS  # first slot of this token's TwELL row
+            l1_row = tl.full([], 0.0, tl.float32)
 
             if sparse_row:
                 x_ev, x_od = widen(load_row(x_ptr, t64 * stride_xm, lanes, l_ok, PAIRS, "evict_first"), PAIRS)
@@ -394,6 +398,8 @@ def _sparse_ffn_kernel(
                             hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
                     else:
                         hv = act
+                    if STORE_L1:
+                        l1_row += tl.abs(hv)
                     wd_ev, wd_od = widen(wd, PAIRS)
                     acc_ev += hv * wd_ev
                     acc_od += hv * wd_od
@@ -404,6 +410,8 @@ def _sparse_ffn_kernel(
                     acc += tl.load(bd_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 tl.store(out_ptr + t64 * stride_om + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok,
                          eviction_policy="evict_first")
+            if STORE_L1:
+                tl.store(l1_ptr + t64, l1_row)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,6 +563,7 @@ def sparse_ffn(
     dense_scratch_rows: Optional[int] = None,
     row_list: Optional[RowList] = None,
     reuse_tickets: bool = False,
+    l1_rows: Optional[torch.Tensor] = None,
 ):
     """The FFN output from its packed gate (gated) or packed up pre-activation (plain).
 
@@ -589,6 +598,10 @@ def sparse_ffn(
             takes no launch of its own. A row left out of it gets no output.
         reuse_tickets: the dense rows' split sums take their tickets from a kept buffer
             (``dense_rows.zeroed_scratch``) instead of a fresh fill.
+        l1_rows: float32 ``[M]`` on x's device that receives, for each row the pair loop
+            computes, ``Σ |h|`` over its stored pairs (its share of the L1 term), and 0 for the
+            rows computed densely; summed in the loop, so the L1 value costs no pass over the
+            TwELL buffers.
 
     Returns:
         ``out [M, D]``, or ``(out, up_val)`` with ``return_up``.
@@ -610,6 +623,10 @@ def sparse_ffn(
         if dense_rows is None:
             raise ValueError("row_list needs the dense_rows it lists")
         check_row_list(row_list, m, dev)
+    if l1_rows is not None:
+        check_tensor("l1_rows", l1_rows, (m,), (torch.float32,), dev)
+        if not l1_rows.is_contiguous():
+            raise ValueError("l1_rows must be contiguous")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be one of {[str(t) for t in _DTYPES]}, got {out_dtype}")
@@ -624,6 +641,8 @@ def sparse_ffn(
     # launch per training step at the 2B shape).
     up_val = torch.empty((m, n_tiles, slots) if store_up else (0,), dtype=torch.float32, device=dev)
     if m == 0 or h == 0:  # nothing to gather: out = bd
+        if l1_rows is not None:
+            l1_rows.zero_()
         out = torch.zeros(m, d, dtype=torch.float32, device=dev)
         out = (out if bd is None else out + bd.float()).to(out_dtype)
         return (out, up_val) if return_up else out
@@ -648,9 +667,11 @@ def sparse_ffn(
     whole = torch.empty(m, dtype=torch.bool, device=dev) if row_list is None else dense_rows
     launch(_sparse_ffn_kernel, lambda meta: (cdiv(m, meta["TOKENS"]),),
         x, wu, bu_, wdt, bd_, idx, val, count, dense_rows, out, up_val if store_up else dummy,
-        whole.view(torch.uint8), m, d, h, n_tiles, x.stride(0), wu.stride(0), wdt.stride(0), out.stride(0),
+        whole.view(torch.uint8), dummy if l1_rows is None else l1_rows,
+        m, d, h, n_tiles, x.stride(0), wu.stride(0), wdt.stride(0), out.stride(0),
         GATED=gated, HAS_BU=bu is not None, HAS_BD=bd is not None, STORE_UP=store_up, STORE_WHOLE=row_list is None,
-        SLOTS=slots, NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf, BITS=bit_walk(nt_p2), PAIRS=paired(x, wu, wdt),
+        STORE_L1=l1_rows is not None, SLOTS=slots, NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf, BITS=bit_walk(nt_p2),
+        PAIRS=paired(x, wu, wdt),
     )
     if d > 0:
         listed = dense_list(whole) if row_list is None else row_list

@@ -70,7 +70,9 @@ SPARSE_MAX_DENSE_ROWS = {"inference": 0.02, "training": 0.015}
 # rows per layer in 16384 tokens (0.007%, session 14). With 46.6 in 8192 (0.57%) every layer
 # sparse ran 0.99x, and 1.01x with this limit, which kept 36 of 38 layers dense (session 15).
 SPARSE_MAX_DENSE_ROWS_CAPTURED = 0.001
-# The training L1 value for stats() costs a pass over the TwELL buffers: measure it every N calls.
+# The training L1 value for stats() costs a reduction and a copy (two launches of host time): measure
+# it every N eager calls, and on every call a CUDA graph records (a graph replays what its capture
+# did, so one captured on a call that skipped it would never report L1).
 L1_EVERY = 8
 
 
@@ -245,7 +247,7 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
 
     On the dense path the result's ``packed``/``up_val`` are None for inference and ``dense_rows``
     is None; the telemetry then counts the rows that would have overflowed a TwELL tile. On the
-    sparse path ``dense_rows`` is computed only on the calls that measure L1 (None otherwise).
+    sparse path too ``dense_rows`` is None (the counts mark them as overflowed).
     Either path's counting kernel stores the call's record in the layer's telemetry itself.
     """
     policy = _policy(layer, x2d.device)
@@ -256,7 +258,7 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     else:
         sparse = FORCE_PATH == "sparse"
     sparse = sparse and x2d.dtype != torch.float64
-    want_l1 = training and policy.calls % L1_EVERY == 0
+    want_l1 = training and (capturing or policy.calls % L1_EVERY == 0)
     saved = None
     keep = layer not in _CUDA_GRAPH_LAYERS
     record = telemetry.call_record(layer, x2d.device, sparse)
@@ -365,8 +367,9 @@ def _state_key(t: torch.Tensor) -> Optional[tuple]:
 def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
                     record=None, *, keep: bool = True, prep: Optional[tuple] = None) -> reference.ForwardResult:
     """The sparse path. ``record`` (telemetry's ``call_record``) receives the active entries and
-    the rows computed densely. ``dense_rows`` of the result is computed only with ``want_l1``
-    (the L1 value needs it); it is None otherwise. ``keep=False``: cache nothing per weight
+    the rows computed densely. In training the pair loop also sums each row's ``|h|``
+    (``sparse_ffn``'s ``l1_rows``), over the rows it computes, and ``want_l1`` sums those into the
+    L1 value. ``dense_rows`` of the result is None. ``keep=False``: cache nothing per weight
     (``_WeightPrep``): layers compiled for CUDA graphs. ``prep``: ``_WeightPrep.get``'s, if the
     caller has it."""
     from twell_compile.kernels.gate_pack import gate_pack
@@ -379,17 +382,18 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
     forward_bound, _, wd_rows = prep
     whole, listed = _guard_rows(x2d, forward_bound, packed.count, record, keep=keep)
     rows = dict(dense_rows=whole, row_list=listed, wg=wg, bg=bg)
+    l1 = None
     if training:  # the backward needs the up values at the stored pairs
-        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows, return_up=True, reuse_tickets=keep)
+        # Every training call stores the L1 shares (one kernel variant, so none is first compiled
+        # inside a CUDA-graph capture); only the calls that measure L1 sum them.
+        l1_rows = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
+        out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows, return_up=True, reuse_tickets=keep,
+                                 l1_rows=l1_rows)
+        if want_l1:
+            l1 = l1_rows.sum() / max(1, x2d.shape[0])  # the sparse rows' share
     else:
         out, up_val = sparse_ffn(x2d, packed, wu, wd_rows, bu, bd, **rows, reuse_tickets=keep), None
-    dense_rows = l1 = None
-    if want_l1:
-        dense_rows = packed.overflow_rows()  # the guard's rows are marked overflowed
-        stored = packed.stored_mask() & ~dense_rows.view(-1, 1, 1)
-        h = torch.relu(packed.val) * up_val if gated else torch.relu(packed.val)
-        l1 = torch.where(stored, h.abs(), 0.0).sum() / max(1, x2d.shape[0])  # sparse rows only
-    return reference.ForwardResult(out, packed, up_val, dense_rows, l1)
+    return reference.ForwardResult(out, packed, up_val, None, l1)
 
 
 def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l1_scale, *, layer: Optional[int] = None):

@@ -47,7 +47,7 @@ D, SLOTS, TILE_N, NT_P2 = 2048, 16, 128, 64
 
 # Pointer arguments that are not of the FFN's dtype (the rest are).
 F32 = {"val_ptr", "up_ptr", "coef_ptr", "hid_ptr", "part_ptr", "psum_ptr", "dh_ptr", "scale_ptr", "seg_part_ptr",
-       "seg_sum_ptr"}
+       "seg_sum_ptr", "l1_ptr"}
 I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr", "ticket_ptr", "tickets_ptr", "blk_ptr"}
 U8 = {"whole_ptr"}
 # Integer arguments that are multiples of 16 at the benchmark shape (M = 16384, D, H).
@@ -146,8 +146,8 @@ def variants(arch: str, full: bool):
         for store_up in ([True, False] if gated else [False]):
             for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
                 for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D, PAIRS=pairs)):
-                    consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, SLOTS=SLOTS, NT_P2=NT_P2,
-                                  BLOCK_D=D, OVF=ovf, EVEN_D=sixteen, BITS=bits, PAIRS=pairs)
+                    consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, STORE_L1=store_up,
+                                  SLOTS=SLOTS, NT_P2=NT_P2, BLOCK_D=D, OVF=ovf, EVEN_D=sixteen, BITS=bits, PAIRS=pairs)
                     yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} pairs={pairs} {_name(cfg)}",
                            lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
                                SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))

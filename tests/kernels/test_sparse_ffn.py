@@ -78,12 +78,27 @@ def defined_up(up, packed, dense_rows):
     return torch.where(packed.stored_mask() & ~whole.view(-1, 1, 1), up, 0.0)
 
 
+def expected_l1_rows(res: R.ForwardResult, ffn: FFN) -> torch.Tensor:
+    """float64 ``[M]``: each row's ``Σ |h|`` over its stored pairs, as the reference computes h
+    (gated: with the input dtype's overflow points), and 0 for the reference's dense rows."""
+    stored = res.packed.stored_mask() & ~res.dense_rows.view(-1, 1, 1)
+    act = torch.relu(res.packed.val.double())
+    h = R.overflow_like(act * res.up_val.double(), ffn.dtype) if ffn.gated else act
+    return torch.where(stored, h.abs(), 0.0).sum((1, 2))
+
+
 def check_against_reference(ffn: FFN, layout=DEFAULT_LAYOUT, *, routes=((None, None),), label=""):
-    """``sparse_ffn`` with the reference's dense rows (and its up values), then with each routing
-    in ``routes`` (``(dense_rows or None, dense_scratch_rows)``): same ``out`` every time."""
+    """``sparse_ffn`` with the reference's dense rows (and its up values and L1 shares), then with
+    each routing in ``routes`` (``(dense_rows or None, dense_scratch_rows)``): same ``out`` every
+    time."""
     res = R.ffn_forward_ref(*ffn.args(), layout=layout)
-    out, up = _run(ffn, res.packed, res.dense_rows, layout, return_up=True)
+    l1_rows = torch.full((ffn.x.shape[0],), NAN, device=ffn.x.device)  # every row must be written
+    out, up = _run(ffn, res.packed, res.dense_rows, layout, return_up=True, l1_rows=l1_rows)
     assert_out_close(out, res.out, ffn.dtype, label=f"{label} out")
+    want_l1 = expected_l1_rows(res, ffn)
+    finite = want_l1[torch.isfinite(want_l1)]
+    scale = finite.max().item() if finite.numel() else 1.0
+    assert_close_verbose(l1_rows, want_l1, rtol=1e-5, atol=1e-6 * max(scale, 1e-30), name=f"{label} l1_rows")
     stored = res.packed.stored_mask() & ~res.dense_rows.view(-1, 1, 1)  # up_val is unspecified elsewhere
     if ffn.gated:
         assert_close_verbose(up[stored], res.up_val[stored], rtol=1e-5,
@@ -341,8 +356,10 @@ def test_empty_hidden_gives_the_bias():
     packed = TwellPacked(torch.zeros(4, 0, 16, dtype=torch.int32, device=DEV), torch.zeros(4, 0, 16, device=DEV),
                          torch.zeros(4, 0, dtype=torch.int32, device=DEV))
     bd = torch.arange(6.0, device=DEV)
-    out = sparse_ffn(x, packed, w, torch.zeros(6, 0, device=DEV), bd=bd, wg=w)
+    l1_rows = torch.full((4,), NAN, device=DEV)
+    out = sparse_ffn(x, packed, w, torch.zeros(6, 0, device=DEV), bd=bd, wg=w, l1_rows=l1_rows)
     assert torch.equal(out, bd.expand(4, 6))
+    assert torch.equal(l1_rows, torch.zeros(4, device=DEV))  # no neuron: no L1
 
 
 def test_argument_errors_name_the_argument():
@@ -379,6 +396,12 @@ def test_argument_errors_name_the_argument():
         call(dense_rows=torch.zeros(5, dtype=torch.bool, device=DEV))
     with pytest.raises(TypeError, match="out_dtype"):
         call(out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="l1_rows must have shape"):
+        call(l1_rows=torch.zeros(5, device=DEV))
+    with pytest.raises(TypeError, match="l1_rows must have dtype"):
+        call(l1_rows=torch.zeros(4, dtype=torch.float64, device=DEV))
+    with pytest.raises(ValueError, match="l1_rows must be contiguous"):
+        call(l1_rows=torch.zeros(4, 2, device=DEV)[:, 0])
 
 
 def test_autotune_prune_keeps_the_register_budget():

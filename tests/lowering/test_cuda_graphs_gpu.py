@@ -2,7 +2,7 @@
 
 * A layer captured after eager calls that measured its density and tuned its kernels records the
   sparse path from ``SPARSE_MIN_TOKENS_CAPTURED`` tokens, and the replay is bitwise the eager
-  sparse op (inference, and a training forward + backward).
+  sparse op (inference, and a training forward + backward); a training replay reports its L1.
 * A dense training step captured whole (forward and backward in one graph) keeps its forward's
   activations for its backward, as eagerly, and replays bitwise the eager step.
 * A layer whose kernels never ran outside a capture records the dense path (tuning cannot run
@@ -78,7 +78,12 @@ def test_graph_records_a_sparse_training_step_bitwise_the_eager_one():
         return (out, *torch.autograd.grad(out, params, dout))
 
     _eager_calls(step, 3)
-    got = _capture(step)
+    telemetry.record_l1(layer, torch.tensor(float("nan"), device="cuda"))
+    got = _capture(step)  # the 4th call: eagerly it would not measure L1, a graph always does
+    snap = telemetry.snapshot()[layer]
+    x64, wg64, wu64 = (t.double() for t in (x, wg, wu))
+    expected_l1 = (torch.relu(x64 @ wg64.T) * (x64 @ wu64.T)).abs().sum().item() / TOKENS
+    assert snap["l1"] == pytest.approx(expected_l1, rel=2e-3), "each replay reports the layer's L1"
     want = _sparse_reference(step)
     assert telemetry.snapshot()[layer]["sparse"] == 1.0
     for g, w, name in zip(got, want, ("out", "dx", "dwg", "dwu", "dwd")):
