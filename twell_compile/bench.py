@@ -245,6 +245,9 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, rep
     call and wherever its work bunched before the GPU's queue filled: a sparse training step at 1%
     density took 4.85 ms a step in 4-step samples against 4.49 ms back to back (its GPU work: 4.43
     ms), a host-time artefact the dense providers, with ~0.1 ms of host work a call, barely paid.
+    The cost: a provider whose host work exceeds its GPU work also spends the lead the host built
+    during the other providers' samples, so it reads faster than it runs alone (the sparse
+    training step at 0.5% on a slow host: 2.07x here, 1.81x alone back to back).
     """
     for fn in fns.values():
         for _ in range(warmup):
