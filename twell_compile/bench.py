@@ -10,8 +10,9 @@ the backward compute those rows densely, which the uniform problem never exercis
 Providers: dense eager (cuBLAS through PyTorch), dense ``torch.compile`` (Inductor), the TwELL op
 as dispatched (``torch.ops.twell.ffn`` for inference; ``ffn_train`` forward + backward with the L1
 term for training; its per-layer policy picks the sparse or the dense path), and the TwELL op with
-the Triton sparse path forced on. Times are medians over CUDA-event-timed repetitions after warm-up; speedups are dense
-eager time ÷ TwELL time, from the same run. Each point also reports the relative error against a
+the Triton sparse path forced on. Times are per-call medians of CUDA-event times after warm-up,
+the providers' samples interleaved and each call after an L2 flush (``interleaved_ms``); speedups
+are dense eager time ÷ TwELL time, from the same run. Each point also reports the relative error against a
 float64 reference and, for training, the peak memory of one step. Every timed training step ends
 as an optimizer step would for the weights' version counters (their values stay the same), so
 per-weight work the op redoes after each update (its ``Wdᵀ`` copy and guard bounds) is timed as
@@ -218,36 +219,30 @@ def host_line(d: int, h: int) -> str:
             f"at M=512 (GPU waiting): {step}")
 
 
-# Bytes written before each interleaved sample to evict the L2 (the H200's is 60 MiB), as
+# Bytes written before each timed call to evict the L2 (the H200's is 60 MiB), as
 # triton.testing.do_bench does (256 MB).
 L2_FLUSH_BYTES = 256 * 2**20
 
 
-def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, reps: int = 30,
-                   calls: int = 4) -> dict[str, float]:
-    """Each of ``fns``' median over ``reps`` samples of the CUDA-event time of ``calls``
-    back-to-back calls, per call. The samples are interleaved: sample ``r`` times every provider
-    once, in the given order for even ``r`` and in reverse for odd ones, each sample starting from
-    a flushed L2, and the host waits for the GPU only once, after the last sample, as
-    ``triton.testing.do_bench`` does.
+def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, reps: int = 20,
+                   calls: int = 5) -> dict[str, float]:
+    """Each of ``fns``' median per-call time over ``reps`` samples of ``calls`` calls.
 
-    Providers timed one after another compare unfairly on the H200: under sustained GEMM load its
-    SM clock drops (1.80 -> 1.53 GHz at ~690 W, session 25), so whichever runs second measured up to
-    ~8% slower (graphed dense against the op's dense path, alternating which ran first: 0.95-1.08x
-    where the mean was 1.02x). Interleaving gives every provider the same share of the clock. The
-    flush gives each the same cache: a sample that followed a provider with the same weights found
-    them in L2 (the op at 0.3% density, skewed: 1.015 ms a call timed alone, 1.073 interleaved
-    with dense), as a layer in a model, between other layers' work, does not.
-
-    With no wait between samples the host runs ahead of the GPU, as it does through a model's
-    layers, so a provider's host work is timed only where it is slower than its GPU work. A wait
-    after each sample (session 25's protocol) timed the host's head start of every sample's first
-    call and wherever its work bunched before the GPU's queue filled: a sparse training step at 1%
-    density took 4.85 ms a step in 4-step samples against 4.49 ms back to back (its GPU work: 4.43
-    ms), a host-time artefact the dense providers, with ~0.1 ms of host work a call, barely paid.
-    The cost: a provider whose host work exceeds its GPU work also spends the lead the host built
-    during the other providers' samples, so it reads faster than it runs alone (the sparse
-    training step at 0.5% on a slow host: 2.07x here, 1.81x alone back to back).
+    * Interleaved: round ``r`` samples every provider once, in the given order for even ``r`` and
+      in reverse for odd ones. Timed one after another, providers compare unfairly on the H200:
+      under sustained GEMM load its SM clock drops (1.80 -> 1.53 GHz at ~690 W, session 25), and
+      whichever ran second measured up to ~8% slower.
+    * A wait before each sample: the host starts level with the GPU, so no provider spends a lead
+      the host built during another's samples. With one wait after the last sample (session 26)
+      the eager sparse training step at 0.5% density, host-bound on a slow host, read 2.07x of
+      dense against 1.81x alone, back to back.
+    * Each call follows an L2 flush and has its own CUDA events, back to back with no wait, as
+      ``triton.testing.do_bench`` times them: a layer in a model finds its weights evicted by
+      other layers' work, and within a sample the host runs ahead as it does through a model, so a
+      provider's host work shows only where it exceeds its GPU work. A wait after every few calls
+      (session 25) timed the host's head start once per sample (a sparse training step at 1%: 4.85
+      ms a step in 4-step samples, 4.49 back to back, 4.43 of GPU work); the median over the
+      ``reps * calls`` values discounts each sample's first call, which carries that head start.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -255,20 +250,19 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, rep
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     torch.cuda.synchronize()
     names = list(fns)
-    samples: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps):
         for name in (names if r % 2 == 0 else names[::-1]):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            flush.zero_()
-            start.record()
+            events = []
             for _ in range(calls):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                flush.zero_()
+                start.record()
                 fns[name]()
-            end.record()
-            samples.append((name, start, end))
-    torch.cuda.synchronize()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for name, start, end in samples:
-        times[name].append(start.elapsed_time(end) / calls)
+                end.record()
+                events.append((start, end))
+            torch.cuda.synchronize()
+            times[name] += [start.elapsed_time(end) for start, end in events]
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -476,7 +470,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="tokens per problem active on every neuron of --overflow-tiles TwELL tiles only, which overflow (default 0; several values: one run each)")
     parser.add_argument("--overflow-tiles", type=int, default=2, metavar="K",
                         help="tiles of 128 columns each --overflow-rows token overflows (default 2)")
-    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per point (median reported)")
+    parser.add_argument("--reps", type=int, default=30,
+                        help="samples per provider and point, of 5 calls each, each call timed alone (median call reported)")
     parser.add_argument("--max-sparse-train-density", type=float, default=0.021, help="time the forced sparse training path only up to this density (it is slow when dense)")
     parser.add_argument("--graphs", action="store_true",
                         help="also time dense eager and the TwELL op each captured in one CUDA graph, which takes the host's "

@@ -191,9 +191,10 @@ def test_tuned_txt_lists_the_autotuners_choices(monkeypatch, tmp_path):
 def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
     """``interleaved_ms`` samples every provider once per round, in the given order and then in
     reverse (so no provider always runs after the others on a GPU whose clock drops under load),
-    waits for the GPU only after the last sample (so the host runs ahead, as in a model), and
-    returns each provider's median per call. CUDA events are faked on a clock that each call
-    advances by its provider's cost."""
+    waits for the GPU before each sample (so no provider spends a lead the host built during
+    another's), flushes L2 before every call, and returns each provider's median over its calls
+    (so a sample's slow first call, the host's head start, does not set it). CUDA events are faked
+    on a clock that each call advances by its provider's cost."""
     clock = {"now": 0.0}
     calls: list[str] = []
 
@@ -223,24 +224,26 @@ def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
 
         def zero_():
             calls.append("flush")
+            clock["now"] += 100.0  # outside every call's events
             return real_zero()
         buf.zero_ = zero_
         return buf
     monkeypatch.setattr(torch, "empty", flush_buffer)
 
-    def provider(name, cost):
+    def provider(name, cost, first_cost=None):
         def call():
+            first = calls[-2] == "sync" if len(calls) >= 2 else True  # a sample's first call
             calls.append(name)
-            clock["now"] += cost
+            clock["now"] += first_cost if (first and first_cost is not None) else cost
         return call
 
-    times = bench.interleaved_ms({"a": provider("a", 1.0), "b": provider("b", 3.0), "c": provider("c", 0.5)},
-                                 warmup=1, reps=4, calls=2)
+    # "c"'s first call of each sample is slow: per call, the median is its usual 0.5 (the median
+    # of per-sample means would be 2.5)
+    times = bench.interleaved_ms({"a": provider("a", 1.0), "b": provider("b", 3.0), "c": provider("c", 0.5, 6.5)},
+                                 warmup=1, reps=4, calls=3)
     assert times == {"a": 1.0, "b": 3.0, "c": 0.5}
     assert calls[:4] == ["a", "b", "c", "sync"]  # warm-up
-    rounds = [calls[4 + 9 * r: 4 + 9 * (r + 1)] for r in range(4)]
-    forward = ["flush", "a", "a", "flush", "b", "b", "flush", "c", "c"]
-    backward = ["flush", "c", "c", "flush", "b", "b", "flush", "a", "a"]
-    assert rounds == [forward, backward] * 2  # every sample starts from a flushed L2
-    assert calls[4 + 36:] == ["sync"]  # one wait, after the last sample
-    assert len(calls) == 4 + 36 + 1
+    sample = {name: ["flush", name] * 3 + ["sync"] for name in "abc"}
+    forward = sample["a"] + sample["b"] + sample["c"]
+    backward = sample["c"] + sample["b"] + sample["a"]
+    assert calls[4:] == (forward + backward) * 2  # a wait before each sample, a flush before each call
