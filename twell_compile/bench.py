@@ -239,7 +239,9 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, rep
     * Each call follows an L2 flush and has its own CUDA events, back to back with no wait, as
       ``triton.testing.do_bench`` times them: a layer in a model finds its weights evicted by
       other layers' work, and within a sample the host runs ahead as it does through a model, so a
-      provider's host work shows only where it exceeds its GPU work. A wait after every few calls
+      provider's host work shows only where it exceeds its GPU work (the flush, ~0.08 ms of GPU
+      work on the H200, also gives the host that much of a head start on each call, as other
+      layers' work does in a model). A wait after every few calls
       (session 25) timed the host's head start once per sample (a sparse training step at 1%: 4.85
       ms a step in 4-step samples, 4.49 back to back, 4.43 of GPU work); the median over the
       ``reps * calls`` values discounts each sample's first call, which carries that head start.
