@@ -457,7 +457,7 @@ def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--m", type=int, nargs="+", default=[16384], help="token counts (default 16384)")
     parser.add_argument("--d", type=int, default=2048, help="model dimension D (default 2048)")
     parser.add_argument("--h", type=int, default=5632, help="hidden dimension H (default 5632)")
