@@ -241,10 +241,11 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, rep
       other layers' work, and within a sample the host runs ahead as it does through a model, so a
       provider's host work shows only where it exceeds its GPU work (the flush, ~0.08 ms of GPU
       work on the H200, also gives the host that much of a head start on each call, as other
-      layers' work does in a model). A wait after every few calls
-      (session 25) timed the host's head start once per sample (a sparse training step at 1%: 4.85
-      ms a step in 4-step samples, 4.49 back to back, 4.43 of GPU work); the median over the
-      ``reps * calls`` values discounts each sample's first call, which carries that head start.
+      layers' work does in a model). A wait after every few calls (session 25) timed the host's
+      head start once per sample (a sparse training step at 1%: 4.85 ms a step in 4-step samples,
+      4.49 back to back, 4.43 of GPU work); the median over the ``reps * calls`` values discounts
+      each sample's first call, which carries that head start. For a host-bound provider the
+      median is noisy and can read up to ~25% above its back-to-back pace (session 27).
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -303,12 +304,12 @@ def _forced(path: Optional[str]):
     cuda_impl.FORCE_PATH = path
 
 
-def _sparse_forced(fn: Callable[[], object]) -> Callable[[], None]:
+def _sparse_forced(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the sparse path forced for its duration only (to interleave it with others)."""
-    def call() -> None:
+    def call() -> object:
         _forced("sparse")
         try:
-            fn()
+            return fn()
         finally:
             _forced(None)
     return call
@@ -336,9 +337,8 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
         del gate
         ref = dense_ffn(x.double(), wg.double(), wu.double(), wd.double())
         dense_out = dense_ffn(x, wg, wu, wd)
-        _forced("sparse")  # the error column is the sparse kernels'
-        twell_out = torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000)
-        _forced(None)
+        # the error column is the sparse kernels'
+        twell_out = _sparse_forced(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000))()
     err_twell, err_dense = rel_error(twell_out, ref), rel_error(dense_out, ref)
     del ref, dense_out, twell_out
     g_dense = g_twell = float("nan")
@@ -378,9 +378,7 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
         t_sparse = mem_twell = float("nan")
         if sparse_timed:
             t_sparse = t["sparse"]
-            _forced("sparse")
-            mem_twell = peak_mb(lambda: twell_train_step(*params, dout, coeff))
-            _forced(None)
+            mem_twell = peak_mb(_sparse_forced(lambda: twell_train_step(*params, dout, coeff)))
     return Row(
         "training" if train else "inference", m, d, h, "skewed" if skewed else "uniform", density, measured, measured * h,
         t_eager, t_comp, t_twell, t_sparse, t_eager / t_twell, t_comp / t_twell, t_eager / t_sparse, err_twell, err_dense, mem_dense, mem_twell,

@@ -247,3 +247,20 @@ def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
     forward = sample["a"] + sample["b"] + sample["c"]
     backward = sample["c"] + sample["b"] + sample["a"]
     assert calls[4:] == (forward + backward) * 2  # a wait before each sample, a flush before each call
+
+
+def test_sparse_forced_forces_the_sparse_path_for_one_call_only():
+    """``_sparse_forced(fn)``: the op's sparse path forced while ``fn`` runs (its value returned),
+    and the policy back in charge afterwards, even when ``fn`` raises."""
+    from twell_compile.lowering import cuda_impl
+
+    seen = []
+    assert bench._sparse_forced(lambda: seen.append(cuda_impl.FORCE_PATH) or 7)() == 7
+    assert seen == ["sparse"] and cuda_impl.FORCE_PATH is None
+
+    def fail():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        bench._sparse_forced(fail)()
+    assert cuda_impl.FORCE_PATH is None
