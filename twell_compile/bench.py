@@ -18,6 +18,9 @@ as an optimizer step would for the weights' version counters (their values stay 
 per-weight work the op redoes after each update (its ``Wdᵀ`` copy and guard bounds) is timed as
 in real training. With ``--graphs``, dense eager and the TwELL op as dispatched are also each
 captured in one CUDA graph and their replays timed: the GPU's time, without the host's launches.
+With ``--floors``, each inference point up to 5% density also times its floor: the gate GEMM alone and
+a bare gather of the bytes the sparse part reads (``kernels/floors.py``), in the same interleaved
+samples.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from .kernels import DEFAULT_LAYOUT, TILE_N
 from .options import COMPILE_MODES
 
 DEFAULT_DENSITIES = (0.003, 0.005, 0.01, 0.02, 0.05, 0.2, 0.5)
+# ``--floors`` only up to this density: past it most rows overflow a TwELL tile's slots and the op
+# computes them densely, so a gather of every pair is no floor of what it does
+FLOOR_MAX_DENSITY = 0.05
 E2E_DENSITIES = (0.003, 0.005, 0.02)  # each point compiles the whole model twice per mode
 
 
@@ -72,6 +78,20 @@ class Row:
     dense_graphed_ms: float = float("nan")
     twell_graphed_ms: float = float("nan")
     speedup_graphed: float = float("nan")
+    # ``--floors`` (inference): the dense gate GEMM alone and a bare gather of the bytes the sparse
+    # part reads (``kernels.floors``), timed with the others (NaN if not measured)
+    gate_gemm_ms: float = float("nan")
+    gather_floor_ms: float = float("nan")
+
+    @property
+    def floor_ms(self) -> float:
+        """What the TwELL design would take with both its parts at their floors."""
+        return self.gate_gemm_ms + self.gather_floor_ms
+
+    @property
+    def floor_speedup(self) -> float:
+        """Dense eager time ÷ ``floor_ms``: the most this design could show at this point."""
+        return self.dense_eager_ms / self.floor_ms
 
     @property
     def label(self) -> str:
@@ -328,13 +348,17 @@ def _graphed_ms(dense: Callable[[], object], twell: Callable[[], object], reps: 
 
 
 def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sparse_train_density, l1_coeff=2e-5,
-                heavy_rows: int = 0, overflow_rows: int = 0, overflow_tiles: int = 2, graphs: bool = False) -> Row:
+                heavy_rows: int = 0, overflow_rows: int = 0, overflow_tiles: int = 2, graphs: bool = False,
+                floors: bool = False) -> Row:
     x, wg, wu, wd = make_problem(m, d, h, density, skewed=skewed, heavy_rows=heavy_rows, overflow_rows=overflow_rows,
                                  overflow_tiles=overflow_tiles)
+    floor_fns = {}
     with torch.no_grad():
-        gate = F.linear(x, wg)
-        measured = (gate > 0).float().mean().item()
-        del gate
+        active = F.linear(x, wg) > 0
+        measured = active.float().mean().item()
+        if floors and not train and density <= FLOOR_MAX_DENSITY:
+            floor_fns = _floor_providers(x, wg, wu, wd, active)
+        del active
         ref = dense_ffn(x.double(), wg.double(), wu.double(), wd.double())
         dense_out = dense_ffn(x, wg, wu, wd)
         # the error column is the sparse kernels'
@@ -350,6 +374,7 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
                 "compiled": lambda: compiled(x, wg, wu, wd),
                 "twell": lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000),
                 "sparse": _sparse_forced(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_001)),
+                **floor_fns,
             }, reps=reps)
             t_eager, t_comp, t_twell, t_sparse = t["eager"], t["compiled"], t["twell"], t["sparse"]
             if graphs:
@@ -383,7 +408,19 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
         "training" if train else "inference", m, d, h, "skewed" if skewed else "uniform", density, measured, measured * h,
         t_eager, t_comp, t_twell, t_sparse, t_eager / t_twell, t_comp / t_twell, t_eager / t_sparse, err_twell, err_dense, mem_dense, mem_twell,
         heavy_rows, overflow_rows, overflow_tiles if overflow_rows else 0, g_dense, g_twell, g_dense / g_twell,
+        t.get("gate GEMM", float("nan")), t.get("gather", float("nan")),
     )
+
+
+def _floor_providers(x, wg, wu, wd, active) -> dict[str, Callable[[], object]]:
+    """``--floors``: the two parts of the inference op at their floors, as providers for
+    ``interleaved_ms``: the gate GEMM alone (cuBLAS, no ReLU, no packing) and ``gather_floor`` over
+    the problem's active pairs (the bytes ``sparse_ffn`` must read, with none of its arithmetic)."""
+    from .kernels.floors import active_pairs, gather_floor
+
+    row_ptr, cols = active_pairs(active)
+    wd_t = wd.t().contiguous()  # the op keeps this copy too
+    return {"gate GEMM": lambda: F.linear(x, wg), "gather": lambda: gather_floor(x, row_ptr, cols, wu, wd_t)}
 
 
 def _graph_columns(r: Row) -> str:
@@ -410,6 +447,24 @@ def print_table(rows: list[Row], file=sys.stdout) -> None:
         )
 
 
+def print_floors(rows: list[Row], file=sys.stdout) -> None:
+    """The ``--floors`` table: each inference point's op against the sum of its parts' floors
+    (nothing if no row has them)."""
+    rows = [r for r in rows if not math.isnan(r.floor_ms)]
+    if not rows:
+        return
+    print("\nfloors (inference): the gate GEMM alone (cuBLAS) + a bare gather of the bytes the sparse part reads "
+          "(kernels/floors.py)", file=file)
+    header = (f"{'M':>6} {'variant':<16} {'density':>7} {'eager ms':>8} {'twell op':>8} {'sparse ms':>9} {'gate GEMM':>9} "
+              f"{'gather':>8} {'floor ms':>8} {'x eager':>7} {'sparse/floor':>12}")
+    print(header, file=file)
+    print("-" * len(header), file=file)
+    for r in rows:
+        print(f"{r.m:>6} {r.label:<16} {r.measured_density:>7.2%} {r.dense_eager_ms:>8.3f} {r.twell_ms:>8.3f} "
+              f"{r.twell_sparse_ms:>9.3f} {r.gate_gemm_ms:>9.3f} {r.gather_floor_ms:>8.3f} {r.floor_ms:>8.3f} "
+              f"{r.floor_speedup:>6.2f}x {r.twell_sparse_ms / r.floor_ms:>11.2f}x", file=file)
+
+
 def write_csv(rows: list, path: Path) -> Path:
     """``rows`` (dataclasses of one type) as a CSV with a header; creates the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -431,7 +486,7 @@ def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
         print("twell bench: matplotlib is not installed, so no plot (pip install matplotlib)", file=sys.stderr)
         return paths
     groups = sorted({(r.mode, r.m, r.label) for r in rows})
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     for mode, m, variant in groups:
         pts = sorted((r.measured_density, r.speedup_vs_eager, r.sparse_speedup_vs_eager, r.speedup_graphed) for r in rows if (r.mode, r.m, r.label) == (mode, m, variant))
         line = ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=f"twell op: {mode}, M={m}, {variant}")[0]
@@ -440,13 +495,19 @@ def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
         if graphed_pts:
             ax.plot([p[0] * 100 for p in graphed_pts], [p[3] for p in graphed_pts], marker="s", ls="--", color=line.get_color(),
                     label=f"both in CUDA graphs: {mode}, M={m}, {variant}")
+        floor_pts = sorted((r.measured_density, r.floor_speedup) for r in rows
+                           if (r.mode, r.m, r.label) == (mode, m, variant) and not math.isnan(r.floor_ms))
+        if floor_pts:
+            ax.plot([p[0] * 100 for p in floor_pts], [p[1] for p in floor_pts], marker="^", ls="-.", lw=0.8,
+                    color=line.get_color(), alpha=0.6, label=f"floor (gate GEMM + bare gather): {mode}, M={m}, {variant}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("density of h (% of H active per token)")
     ax.set_ylabel("speedup vs dense eager (×)")
-    ax.set_title(f"TwELL FFN on {torch.cuda.get_device_name()}, bf16, D={rows[0].d}, H={rows[0].h}")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    ax.set_title(f"TwELL FFN on {device}, bf16, D={rows[0].d}, H={rows[0].h}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: the lines stay visible
     png = out_dir / "speedup_vs_density.png"
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -476,6 +537,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--graphs", action="store_true",
                         help="also time dense eager and the TwELL op each captured in one CUDA graph, which takes the host's "
                              "launch time out of the step (what torch.compile's reduce-overhead mode does)")
+    parser.add_argument("--floors", action="store_true",
+                        help="inference points up to 5%% density: also time the floor of each part of the op, interleaved "
+                             "with the rest: the gate GEMM alone (cuBLAS) and a bare gather of the weight rows the sparse "
+                             "part reads; their sum is what the op would take with both parts at those rates")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv, the PNG plot, host.txt and tuned.txt")
     e2e = parser.add_argument_group("end to end (--e2e): a Hugging Face Llama, backend='twell' against 'inductor'")
     e2e.add_argument("--e2e", action="store_true", help="benchmark the whole model instead of one FFN block")
@@ -526,12 +591,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     for mode, m, skewed, heavy, overflow, density in points_iter:
         rows.append(bench_point(m, args.d, args.h, density, skewed=skewed, train=(mode == "training"), compiled_cache=compiled_cache,
                                 reps=args.reps, max_sparse_train_density=args.max_sparse_train_density, heavy_rows=heavy,
-                                overflow_rows=overflow, overflow_tiles=args.overflow_tiles, graphs=args.graphs))
+                                overflow_rows=overflow, overflow_tiles=args.overflow_tiles, graphs=args.graphs,
+                                floors=args.floors))
         torch.cuda.empty_cache()
     host = host_line(args.d, args.h)  # after the points, so that its calls cannot steer their policy
     print(f"\ntwell bench on {torch.cuda.get_device_name()} (torch {torch.__version__}), gated FFN bf16, D={args.d}, H={args.h}; {time.time() - t0:.0f} s")
     print(host)
     print_table(rows)
+    print_floors(rows)
     for path in write_outputs(rows, args.out):
         print(f"wrote {path}")
     (args.out / "host.txt").write_text(host + "\n")

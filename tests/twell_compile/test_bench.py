@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 
 import pytest
 import torch
@@ -117,6 +118,55 @@ def test_graph_columns_appear_only_when_measured(tmp_path):
     read = list(csv.DictReader(bench.write_csv([_row(dense_graphed_ms=2.0, twell_graphed_ms=0.8, speedup_graphed=2.5)],
                                                tmp_path / "bench.csv").open()))
     assert (read[0]["dense_graphed_ms"], read[0]["twell_graphed_ms"], read[0]["speedup_graphed"]) == ("2.0", "0.8", "2.5")
+
+
+def test_floors_table_lists_only_the_points_that_measured_them(tmp_path):
+    """``--floors``: the floor is the gate GEMM plus the gather, and the table compares the eager
+    dense time and the forced sparse op with it."""
+    out = io.StringIO()
+    bench.print_floors([_row()], file=out)
+    assert out.getvalue() == ""
+    floored = _row(mode="inference", m=16384, dense_eager_ms=1.7, twell_sparse_ms=1.15, gate_gemm_ms=0.52, gather_floor_ms=0.33)
+    assert floored.floor_ms == pytest.approx(0.85) and floored.floor_speedup == pytest.approx(2.0)
+    bench.print_floors([_row(), floored], file=out)
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("floors (inference)") and "gate GEMM" in lines[2] and "sparse/floor" in lines[2]
+    assert len(lines) == 5  # blank line, title, header, rule, the one row with floors
+    assert lines[4].split() == ["16384", "uniform", "0.58%", "1.700", "1.600", "1.150", "0.520", "0.330", "0.850",
+                                "2.00x", "1.35x"]
+    read = list(csv.DictReader(bench.write_csv([_row(), floored], tmp_path / "bench.csv").open()))
+    assert (read[0]["gate_gemm_ms"], read[1]["gate_gemm_ms"], read[1]["gather_floor_ms"]) == ("nan", "0.52", "0.33")
+
+
+def test_plot_draws_the_floor_beside_the_measured_lines(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    saved = []
+    real_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (saved.append(fig), real_savefig(fig, *a, **kw)))
+    rows = [_row(mode="inference", measured_density=p, gate_gemm_ms=0.5, gather_floor_ms=0.1 + p * 60)
+            for p in (0.003, 0.005, 0.01)] + [_row()]
+    paths = bench.write_outputs(rows, tmp_path)
+    assert paths[1].name == "speedup_vs_density.png" and paths[1].stat().st_size > 0
+    ax = saved[0].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels.count("floor (gate GEMM + bare gather): inference, M=2048, uniform") == 1
+    assert not any(label.startswith("floor") and "training" in label for label in labels)
+    floor_line = next(line for line in ax.get_lines() if line.get_label().startswith("floor"))
+    assert list(floor_line.get_ydata()) == pytest.approx([2.0 / (0.6 + p * 60) for p in (0.003, 0.005, 0.01)])
+
+
+@pytest.mark.gpu
+def test_floors_are_measured_on_the_gpu():
+    """Inference points time both floors with the other providers; training points do not."""
+    row = bench.bench_point(4096, 256, 512, 0.01, skewed=False, train=False, compiled_cache={}, reps=3,
+                            max_sparse_train_density=0.02, floors=True)
+    assert row.gate_gemm_ms > 0 and row.gather_floor_ms > 0
+    assert row.floor_speedup == pytest.approx(row.dense_eager_ms / (row.gate_gemm_ms + row.gather_floor_ms))
+    dense = bench.bench_point(4096, 256, 512, 0.2, skewed=False, train=False, compiled_cache={}, reps=1,
+                              max_sparse_train_density=0.02, floors=True)
+    assert math.isnan(dense.floor_ms)  # past FLOOR_MAX_DENSITY rows overflow: a pair gather is no floor
 
 
 @pytest.mark.gpu
