@@ -34,6 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from twell_compile.kernels import dense_act as DA  # noqa: E402
 from twell_compile.kernels import dense_rows as DR  # noqa: E402
+from twell_compile.kernels import floors as FL  # noqa: E402
 from twell_compile.kernels import gate_pack as GP  # noqa: E402
 from twell_compile.kernels import sparse_ffn as SF  # noqa: E402
 from twell_compile.kernels import sparse_ffn_bwd as SB  # noqa: E402
@@ -204,6 +205,10 @@ def variants(arch: str, full: bool):
                 dict(stride_wd_j=1, LIMIT=torch.finfo(dtype).max, GATED=gated, HAS_BG=gated, HAS_BU=True,
                      HAS_BD=True, STORE_WDT=store, ROWS=W._ROWS, CHUNK=W._CHUNK),
                 {"facts_ptr": "*i32", "fwd_ptr": "*fp32", "bwd_ptr": "*fp32"}))
+
+        # twell bench --floors' bare gather (no wrapper: one config).
+        yield f"gather_floor {TY[dtype]}", (lambda dtype=dtype: compile_kernel(
+            FL._gather_floor_kernel, target, dtype, dict(BLOCK_D=D), {"row_ptr": "*i64", "cols_ptr": "*i32"}))
 
         # Backward.
         for place in (False, True):
