@@ -11,8 +11,10 @@ plus the dense gate GEMM's is the floor the bench reports beside the op: what th
 would cost if both kernels ran at the rate of these two.
 
 One program of 4 warps per token with the whole ``D`` row in registers, as DESIGN.md section 10's
-naive loop (4 warps beat 8 there). The x and output rows stream through L2 as ``evict_first``, as in
-``sparse_ffn``, which leaves L2 to the weight rows.
+naive loop. On the H200 at D=2048, H=5632, M=16384, 0.5% density (session 28) it took 0.426 ms
+with 4 warps, 0.417 with 8, 0.450 with 2 and 0.503 with 1: the reported floor is within ~2% of
+this loop's best. The x and output rows stream through L2 as ``evict_first``, as in ``sparse_ffn``,
+which leaves L2 to the weight rows.
 """
 
 from __future__ import annotations
