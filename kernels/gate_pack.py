@@ -101,14 +101,43 @@ def _configs():
     return _cuda_configs()
 
 
+# Shared memory a TMA config needs beyond its operand ring (barriers; 1,056 bytes on sm90).
+_SMEM_SLACK = 4096
+
+
+def _operand_ring_bytes(config, block_n: int, element_size: int) -> int:
+    """Shared memory of a config's ring of x and w tiles: ``stages × (BLOCK_M + BLOCK_N) × BLOCK_K``
+    elements (197,664 bytes in all for 256×128×64 tiles and 4 stages on sm90, bf16)."""
+    kw = config.kwargs
+    return config.num_stages * (kw["BLOCK_M"] + block_n) * kw["BLOCK_K"] * element_size
+
+
 def _prune_configs(configs, nargs, **kwargs):
-    """With TMA loads: bit-count ranks. Without: the scan epilogue, one program per tile."""
-    keep = [c for c in configs if c.kwargs["BIT_RANKS"] == kwargs["USE_TMA"]]
-    return keep or configs
+    """With TMA loads: bit-count ranks, and of configs that differ only in their pipeline depth the
+    deepest whose operand ring fits the GPU's shared memory. On the H200 (bf16, D=2048, H=5632,
+    M=16384, session 29) the autotuner, timing warm back-to-back calls, picked 3 stages in one run and
+    4 in another, while 3 stages ran 0.02-0.03 ms slower a call in the bench's interleaved, flushed
+    samples. Without TMA: the scan epilogue, one program per tile."""
+    keep = [c for c in configs if c.kwargs["BIT_RANKS"] == kwargs["USE_TMA"]] or configs
+    x = getattr(nargs.get("x"), "base", None)  # the TensorDescriptor's tensor
+    if not kwargs["USE_TMA"] or INTERPRET or x is None:
+        return keep
+    room = getattr(_properties(x.device), "shared_memory_per_block_optin", None)
+    if room is None:
+        return keep
+    deepest = {}
+    for c in keep:
+        if _operand_ring_bytes(c, kwargs["BLOCK_N"], x.element_size()) + _SMEM_SLACK > room:
+            continue
+        shape = (c.num_warps, *sorted((k, v) for k, v in c.kwargs.items()))
+        if shape not in deepest or c.num_stages > deepest[shape].num_stages:
+            deepest[shape] = c
+    return list(deepest.values()) or keep
 
 
 @triton.autotune(configs=_configs(), key=["D", "H", "USE_TMA", "IEEE"], prune_configs_by={"early_config_prune": _prune_configs})
-@triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["H"] % a["BLOCK_N"] == 0})
+@triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["H"] % a["BLOCK_N"] == 0,
+                    "EVEN_M": lambda a: a["M"] % a["BLOCK_M"] == 0})
 @triton.jit
 def _gate_pack_kernel(
     # pointers (x and w are TensorDescriptors when USE_TMA)
@@ -121,7 +150,7 @@ def _gate_pack_kernel(
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, BIT_RANKS: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, BIT_RANKS: tl.constexpr,
 ):
     """Pack ``pre = x @ wᵀ + b`` into TwELL, ``BLOCK_M × BLOCK_N`` tiles.
 
@@ -139,7 +168,7 @@ def _gate_pack_kernel(
             tile, num_pid_m, x, w, b_ptr, idx_ptr, val_ptr, count_ptr, M, D, H, N_TILES,
             stride_xm, stride_xk, stride_wn, stride_wk,
             HAS_BIAS, USE_TMA, IEEE, INTERPRET, OVF, SLOTS, BLOCK_N, GROUP_M, BLOCK_M, BLOCK_K, EPI_SPLIT, EVEN_K,
-            EVEN_N, BIT_RANKS,
+            EVEN_N, EVEN_M, BIT_RANKS,
         )
 
 
@@ -150,7 +179,7 @@ def _gate_pack_tile(
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, BIT_RANKS: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, BIT_RANKS: tl.constexpr,
 ):
     """One ``BLOCK_M × BLOCK_N`` output tile of ``_gate_pack_kernel``: its GEMM, then its packing."""
     # Grouped order: GROUP_M row-blocks sweep all column tiles together, for L2 reuse of W.
@@ -213,7 +242,7 @@ def _gate_pack_tile(
     # bf16). Bit-count ranks (BIT_RANKS) pack a whole 256-row tile without spills.
     if BIT_RANKS or EPI_SPLIT == 1:
         _pack_rows(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS,
-                   BIT_RANKS, INTERPRET)
+                   BIT_RANKS, INTERPRET, EVEN_M)
     elif EPI_SPLIT == 2:
         _pack_halves(acc, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
     elif EPI_SPLIT == 4:
@@ -264,7 +293,7 @@ def _pack_quarters(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, 
 
 @triton.jit
 def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS: tl.constexpr,
-               BIT_RANKS: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+               BIT_RANKS: tl.constexpr = False, INTERPRET: tl.constexpr = False, EVEN_M: tl.constexpr = False):
     """Pack the rows ``row0 + i`` of ``pre [R, BLOCK_N]`` (fp32, one TwELL tile) into TwELL.
 
     The rank of an active entry is the number of actives before it in its row: a ``tl.cumsum``,
@@ -282,7 +311,9 @@ def _pack_rows(pre, row0, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N
         ones = active.to(tl.int32)
         rank = tl.cumsum(ones, axis=1) - 1  # slot of each active entry: first actives first
         count = tl.sum(ones, axis=1)
-    keep = active & (rank < SLOTS) & row_ok[:, None]
+    keep = active & (rank < SLOTS)
+    if not EVEN_M:  # rows past M exist only when M is not a multiple of the tile (an AND an element)
+        keep = keep & row_ok[:, None]
     rows64 = rows.to(tl.int64)
     row_slot = rows64 * (N_TILES * SLOTS) + pid_n * SLOTS
     col = cols[None, :] + tl.zeros(pre.shape, dtype=tl.int32)

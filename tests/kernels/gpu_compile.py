@@ -133,11 +133,11 @@ def variants(arch: str, full: bool):
                 if use_tma:
                     bm, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_K"]
                     types = {"x": f"tensordesc<{TY[dtype]}[{bm}, {bk}]>", "w": f"tensordesc<{TY[dtype]}[{TILE_N}, {bk}]>"}
-                # EVEN_N: H = 5632 fills its tiles (the benchmark shape's kernels); the other cases
-                # compile the column mask of an H that does not
+                # EVEN_N, EVEN_M: H = 5632 and M = 16384 fill their tiles (the benchmark shape's
+                # kernels); the other cases compile the column and row masks of shapes that do not
                 consts = dict(HAS_BIAS=True, USE_TMA=use_tma, IEEE=not sixteen, INTERPRET=False, OVF=ovf, SLOTS=SLOTS,
                               BLOCK_N=TILE_N, GROUP_M=GP._GROUP_M, EVEN_K=D % cfg.kwargs["BLOCK_K"] == 0,
-                              EVEN_N=all_configs)
+                              EVEN_N=all_configs, EVEN_M=all_configs)
                 label = f"gate_pack {tag} tma={use_tma} {_name(cfg)}"
                 yield label, (lambda consts=consts, types=types, cfg=cfg, dtype=dtype:
                               compile_kernel(GP._gate_pack_kernel, target, dtype, consts, types, cfg))

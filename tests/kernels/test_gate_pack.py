@@ -341,3 +341,25 @@ def test_device_properties_are_queried_once_per_device(monkeypatch):
         assert not GP._sm90_or_newer(torch.device("cuda", 1))
         assert GP._properties(torch.device("cuda", 0)).multi_processor_count == 132
     assert calls == [0, 1]
+
+
+@pytest.mark.parametrize("room, stages", [(232_448, [4]), (163_840, [3]), (None, [3, 4])])
+def test_tma_configs_keep_the_deepest_pipeline_that_fits(monkeypatch, room, stages):
+    """Of the TMA configs that differ only in pipeline depth the autotuner times the deepest whose
+    operand ring fits the GPU's shared memory (opt-in per block: 232,448 bytes on the H200); the
+    pointer path's configs are left as they are."""
+    from types import SimpleNamespace
+
+    props = SimpleNamespace() if room is None else SimpleNamespace(shared_memory_per_block_optin=room)
+    monkeypatch.setattr(GP, "INTERPRET", False)
+    monkeypatch.setattr(GP, "_PROPERTIES", {0: props})
+    base = SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: 2)
+    configs = GP._cuda_configs()
+    tma = GP._prune_configs(configs, {"x": SimpleNamespace(base=base)}, USE_TMA=True, BLOCK_N=128)
+    assert all(c.kwargs["BIT_RANKS"] for c in tma)
+    persistent = sorted(c.num_stages for c in tma if c.kwargs["PERSISTENT"] and c.kwargs["BLOCK_M"] == 256)
+    assert persistent == stages
+    if room is not None:
+        assert all(GP._operand_ring_bytes(c, 128, 2) + GP._SMEM_SLACK <= room for c in tma)
+    pointers = GP._prune_configs(configs, {"x": torch.empty(1, 1)}, USE_TMA=False, BLOCK_N=128)
+    assert pointers == [c for c in configs if not c.kwargs["BIT_RANKS"]]
