@@ -6,7 +6,9 @@ TwELL splits the H columns into tiles of ``tile_n`` columns. For each (row, tile
 * ``count[m, t]`` (int32): the true number of active entries in that tile row, never capped;
 * ``idx[m, t, s]`` (int32): the global column of slot ``s`` (``t * tile_n + local``), so H has no
   limit short of 2³¹;
-* ``val[m, t, s]`` (float32, or float64 for float64 inputs): the pre-activation value in that slot.
+* ``val[m, t, s]`` (float32, or float64 for float64 inputs): the pre-activation value in that slot,
+  as accumulated (for 16-bit inputs, not rounded to their dtype: its readers apply that dtype's
+  overflow to +Inf).
 
 An entry is *active* when ``not (g <= 0)``: strictly positive values, and NaN, because
 ``relu(NaN)`` is NaN in PyTorch and must propagate exactly as the dense path does.

@@ -10,11 +10,12 @@ to any other tile:
 * the entries with ``rank < slots`` are scattered to slot ``rank`` (first actives, increasing
   column order); ``count`` is stored uncapped, so ``count > slots`` marks an overflow.
 
-The dense ``pre`` never reaches global memory. For 16-bit inputs a stored ``pre`` is +Inf where
-rounding it to the input dtype would overflow (``reference.overflow_like``), as the dense gate
-does; only active entries (positive or NaN) are stored, so the negative side needs no test. This
-is ``reference.gate_pack_ref`` up to fp32 summation order (the reference sums fp32 inputs in
-float64).
+The dense ``pre`` never reaches global memory. Stored values are ``pre`` as accumulated in fp32:
+for 16-bit inputs a value past the dtype's range stays finite here, and the consumers map it to
++Inf, as dense PyTorch's rounding of the gate does, when they read it (``sparse_ffn.load_pair``):
+one test per stored pair there instead of two instructions per accumulator element here (on the
+H200, session 29: -0.014 ms a call at the benchmark shape). This is ``reference.gate_pack_ref`` up
+to fp32 summation order (the reference sums fp32 inputs in float64).
 
 Two epilogues compute the same ranks (autotune picks; tests run both):
 
@@ -56,7 +57,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .checks import FLOAT_DTYPES, check_matrix, check_tensor
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed
 from .launch import cdiv, launch
-from .reference import OVERFLOW_THRESHOLD
 
 # Triton's interpreter (CPU tests) computes bf16 tl.dot wrongly and cannot autotune over several
 # configs (DESIGN.md section 9); it must be set before this module is imported.
@@ -147,7 +147,7 @@ def _gate_pack_kernel(
     # strides (elements)
     stride_xm, stride_xk, stride_wn, stride_wk,
     # meta-parameters
-    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, PERSISTENT: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, BIT_RANKS: tl.constexpr,
@@ -167,7 +167,7 @@ def _gate_pack_kernel(
         _gate_pack_tile(
             tile, num_pid_m, x, w, b_ptr, idx_ptr, val_ptr, count_ptr, M, D, H, N_TILES,
             stride_xm, stride_xk, stride_wn, stride_wk,
-            HAS_BIAS, USE_TMA, IEEE, INTERPRET, OVF, SLOTS, BLOCK_N, GROUP_M, BLOCK_M, BLOCK_K, EPI_SPLIT, EVEN_K,
+            HAS_BIAS, USE_TMA, IEEE, INTERPRET, SLOTS, BLOCK_N, GROUP_M, BLOCK_M, BLOCK_K, EPI_SPLIT, EVEN_K,
             EVEN_N, EVEN_M, BIT_RANKS,
         )
 
@@ -176,7 +176,7 @@ def _gate_pack_kernel(
 def _gate_pack_tile(
     tile, num_pid_m, x, w, b_ptr, idx_ptr, val_ptr, count_ptr, M, D, H, N_TILES,
     stride_xm, stride_xk, stride_wn, stride_wk,
-    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, OVF: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
     SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, BIT_RANKS: tl.constexpr,
@@ -235,7 +235,6 @@ def _gate_pack_tile(
         col_ok = cols < H
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    acc = _overflow_up(acc, OVF)
 
     # The scan epilogue runs on EPI_SPLIT row slices of the tile: packing a 128x128 tile at once holds
     # a rank and an address per element on top of the accumulator, which spills (ptxas -v, sm90,
@@ -253,22 +252,6 @@ def _gate_pack_tile(
         _pack_quarters(top, pid_m * BLOCK_M, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr, M, N_TILES, SLOTS)
         _pack_quarters(bottom, pid_m * BLOCK_M + BLOCK_M // 2, cols, col_ok, pid_n, idx_ptr, val_ptr, count_ptr,
                        M, N_TILES, SLOTS)
-
-
-@triton.jit
-def _overflow_up(v, OVF: tl.constexpr):
-    """``reference.overflow_like`` for the values the epilogue stores: +Inf where rounding fp32 ``v``
-    to the input dtype would overflow upwards. Stored entries are active (positive or NaN), and
-    ``reference.overflow_like``'s -Inf is inactive like the negative value it replaces, so the
-    negative side changes nothing; leaving its test out saves two instructions per accumulator
-    element (sm90 SASS: 3456 -> 3200 in the 256-row config).
-
-    ``OVF`` is ``reference.OVERFLOW_THRESHOLD`` of a 16-bit input dtype, or 0 for fp32 inputs
-    (their fp32 arithmetic overflows at that point by itself).
-    """
-    if OVF > 0:
-        v = tl.where(v >= OVF, float("inf"), v)
-    return v
 
 
 @triton.jit
@@ -415,12 +398,6 @@ def _properties(device: torch.device):
 _PROPERTIES: dict = {}
 
 
-def overflow_threshold(dtype: torch.dtype) -> float:
-    """The ``OVF`` constexpr of ``_overflow_up`` (and of ``sparse_ffn``'s overflow tests) for inputs of
-    ``dtype``."""
-    return 0.0 if dtype == torch.float32 else float(OVERFLOW_THRESHOLD[dtype])
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     """TMA needs a unit last stride, 16-byte aligned rows and base, and a non-empty shape."""
     e = t.element_size()
@@ -499,7 +476,6 @@ def gate_pack(
         m, d, h, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         HAS_BIAS=b is not None, USE_TMA=bool(use_tma), IEEE=x.dtype == torch.float32, INTERPRET=INTERPRET,
-        OVF=overflow_threshold(x.dtype),
         SLOTS=layout.slots, BLOCK_N=layout.tile_n, GROUP_M=_GROUP_M,
     )
     return packed

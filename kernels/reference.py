@@ -123,10 +123,12 @@ def unpack_ref(packed: TwellPacked, hidden: int) -> Tensor:
 def gate_pack_ref(x: Tensor, w: Tensor, b: Optional[Tensor] = None, layout: TwellLayout = DEFAULT_LAYOUT) -> TwellPacked:
     """``pack(x wᵀ + b)``: what the gate GEMM with the TwELL epilogue produces.
 
-    Values are stored in ``accumulation_dtype`` (float32; float64 for float64 inputs).
+    Values are stored in ``accumulation_dtype`` (float32; float64 for float64 inputs), as
+    accumulated: not rounded to the input dtype, so a 16-bit input's value past that dtype's range
+    stays finite. Consumers map it as dense PyTorch's rounding would (``stored_pre``).
     """
     comp = compute_dtype(x.dtype)
-    pre = overflow_like(_linear(x.to(comp), w.to(comp), _acc(b, comp)), x.dtype)
+    pre = _linear(x.to(comp), w.to(comp), _acc(b, comp))
     return pack_ref(pre.to(accumulation_dtype(x.dtype)), layout)
 
 
@@ -218,7 +220,13 @@ class Pairs(NamedTuple):
     token: Tensor  # int64 [P]
     neuron: Tensor  # int64 [P]
     where: tuple  # (m, tile, slot) index tensors into the TwELL buffer
-    pre: Tensor  # [P] packed pre-activation value
+    pre: Tensor  # [P] packed pre-activation value, as stored (``stored_pre`` maps its overflow)
+
+
+def stored_pre(pairs: Pairs, acc: torch.dtype, dtype: torch.dtype) -> Tensor:
+    """The pairs' pre-activations in ``acc`` as the dense path sees them: ±Inf where rounding to
+    the input ``dtype`` would overflow (``overflow_like``; the packed values are not rounded)."""
+    return overflow_like(pairs.pre.to(acc), dtype)
 
 
 def stored_pairs(packed: TwellPacked, sparse_rows: Tensor) -> Pairs:
@@ -272,7 +280,7 @@ def ffn_forward_ref(x, wg, wu, wd, bg=None, bu=None, bd=None, layout: TwellLayou
     out = x32.new_zeros(x.shape[0], wd.shape[0])
     up_val = packed.val.new_zeros(packed.val.shape if gated else (0,))
     pairs = stored_pairs(packed, ~dense_rows)
-    pre = pairs.pre.to(acc)
+    pre = stored_pre(pairs, acc, x.dtype)
     if gated:
         up = pair_dot(x32, pairs.token, wu32, pairs.neuron)  # up only where the gate is active
         if bu32 is not None:
@@ -342,7 +350,7 @@ def ffn_backward_ref(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_va
 
     # Sparse rows: every product runs on the stored pairs only.
     p = stored_pairs(packed, ~dense_rows)
-    pre = p.pre.to(acc)
+    pre = stored_pre(p, acc, dtype)
     if gated:
         act, up = torch.relu(pre), up_val[p.where].to(acc)
         h = overflow_like(act * up, dtype)

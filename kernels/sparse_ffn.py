@@ -99,9 +99,8 @@ from .checks import check_ffn_operands, check_packed, check_row_list, check_tens
 from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, RowList, column_mask, dense_list, dot, dot_split,
                          jit_helper, reduce_sum, rowmajor, scratch_capacity, scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
-from .gate_pack import overflow_threshold
 from .launch import cdiv, launch, next_power_of_2
-from .reference import _finite, _may_overflow
+from .reference import OVERFLOW_THRESHOLD, _finite, _may_overflow
 from .weights import transposed
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -299,17 +298,36 @@ def join_row(even, odd, PAIRS: tl.constexpr):
         return even
 
 
+def overflow_threshold(dtype: torch.dtype) -> float:
+    """The ``OVF`` constexpr of the kernels' overflow tests (``overflow_up``, and the up and h tests
+    of the pair loops) for inputs of ``dtype``: ``reference.OVERFLOW_THRESHOLD``, or 0 for fp32
+    inputs, whose fp32 arithmetic overflows at that point by itself."""
+    return 0.0 if dtype == torch.float32 else float(OVERFLOW_THRESHOLD[dtype])
+
+
 @jit_helper
-def load_pair(idx_ptr, val_ptr, slot0, tau, s, N_TILES, SLOTS: tl.constexpr, EVICT: tl.constexpr):
+def overflow_up(v, OVF: tl.constexpr):
+    """A stored pre-activation as the dense path sees it: +Inf where rounding fp32 ``v`` to the
+    input dtype would overflow upwards (``reference.overflow_like``). ``gate_pack`` stores ``pre``
+    as accumulated; the entries it stores are active (positive or NaN), so the negative side, whose
+    -Inf would be inactive like the value it replaces, needs no test."""
+    if OVF > 0:
+        v = tl.where(v >= OVF, float("inf"), v)
+    return v
+
+
+@jit_helper
+def load_pair(idx_ptr, val_ptr, slot0, tau, s, N_TILES, SLOTS: tl.constexpr, EVICT: tl.constexpr,
+              OVF: tl.constexpr):
     """``(ok, slot, j, value)`` of the cursor's pair (tile ``tau``, slot ``s`` of the TwELL row
-    starting at slot ``slot0``): its neuron (int64) and stored value; not ``ok`` past the last.
-    ``EVICT``: the loads' L2 eviction policy: ``"evict_first"`` where nothing reads them again, or
-    ``""`` (the default policy)."""
+    starting at slot ``slot0``): its neuron (int64) and stored value, with the input dtype's
+    overflow (``overflow_up``); not ``ok`` past the last. ``EVICT``: the loads' L2 eviction policy:
+    ``"evict_first"`` where nothing reads them again, or ``""`` (the default policy)."""
     ok = tau < N_TILES
     slot = slot0 + (tau * SLOTS + s).to(tl.int64)
     j = tl.load(idx_ptr + slot, mask=ok, other=0, eviction_policy=EVICT).to(tl.int64)
     v = tl.load(val_ptr + slot, mask=ok, other=0.0, eviction_policy=EVICT)
-    return ok, slot, j, v
+    return ok, slot, j, overflow_up(v, OVF)
 
 
 # STORE_UP is in the key: training (which stores up values) and inference tune separately. With
@@ -373,7 +391,7 @@ def _sparse_ffn_kernel(
                 cnt_base = t64 * N_TILES
                 rem, ct, cs, cc = first_pair(count_ptr, cnt_base, tile_set(cnt, tiles, SLOTS, BITS), N_TILES, SLOTS,
                                              BITS)
-                ok, slot, jp, gp = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "evict_first")
+                ok, slot, jp, gp = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "evict_first", OVF)
                 while ok:
                     wd = load_row(wdt_ptr, jp * stride_wdt, lanes, l_ok, PAIRS, "")
                     if GATED:
@@ -382,7 +400,7 @@ def _sparse_ffn_kernel(
                             bu_j = tl.load(bu_ptr + jp).to(tl.float32)
                     rem, ct, cs, cc = next_pair(count_ptr, cnt_base, rem, ct, cs, cc, N_TILES, SLOTS, BITS)
                     next_ok, next_slot, next_jp, next_gp = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS,
-                                                                     "evict_first")
+                                                                     "evict_first", OVF)
                     act = tl.where(gp <= 0.0, 0.0, gp)  # relu that keeps NaN, as torch.relu does
                     if GATED:
                         wu_ev, wu_od = widen(wu, PAIRS)

@@ -124,8 +124,8 @@ from .dense_rows import reduce_sum as _sum
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .launch import cdiv, launch, next_power_of_2
 from .reference import Grads, _may_overflow, backward_dense_rows_ref
-from .sparse_ffn import (bit_walk, first_pair, join_row, load_pair, load_row, next_pair, paired, row_lanes, tile_set,
-                         widen, zero_row)
+from .sparse_ffn import (bit_walk, first_pair, join_row, load_pair, load_row, next_pair, overflow_threshold, overflow_up,
+                         paired, row_lanes, tile_set, widen, zero_row)
 from .weights import transposed
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -359,7 +359,7 @@ def _tokens_dh_kernel(
     M, D, H, N_TILES, stride_gm, stride_wdt,
     # meta-parameters
     GATED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
-    NT_P2: tl.constexpr, BITS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr,
+    NT_P2: tl.constexpr, BITS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr, OVF: tl.constexpr,
 ):
     """``dh`` (fp32, TwELL shape, with the L1 term) at every stored slot of each sparse row ``t``
     (``dense[t] == 0``): ``dout[t] · Wdᵀ[j]`` over all of D.
@@ -380,7 +380,7 @@ def _tokens_dh_kernel(
                 cnt_base, rem, ct, cs, cc = _row_cursor(count_ptr, t64, N_TILES, SLOTS, NT_P2, BITS)
                 # Default L2 policy for the pairs: _tokens_dx_kernel and _wgrad_kernel read them
                 # again. The next pair is loaded while this pair's row arrives.
-                ok, slot, jp, pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "")
+                ok, slot, jp, pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "", OVF)
                 while ok:
                     wd = load_row(wdt_ptr, jp * stride_wdt, lanes, l_ok, PAIRS, "")
                     up = pre
@@ -388,7 +388,7 @@ def _tokens_dh_kernel(
                         up = tl.load(up_ptr + slot)
                     rem, ct, cs, cc = next_pair(count_ptr, cnt_base, rem, ct, cs, cc, N_TILES, SLOTS, BITS)
                     next_ok, next_slot, next_jp, next_pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS,
-                                                                      "")
+                                                                      "", OVF)
                     act, hv = _hidden(pre, up, GATED)
                     wd_ev, wd_od = widen(wd, PAIRS)
                     dh = _sum(join_row(wd_ev * g_ev, wd_od * g_od, PAIRS), axis=0) + scale * _sign(hv)
@@ -406,7 +406,7 @@ def _tokens_dx_kernel(
     M, D, H, N_TILES, stride_wg, stride_wu, stride_dxm,
     # meta-parameters
     GATED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
-    NT_P2: tl.constexpr, BITS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr,
+    NT_P2: tl.constexpr, BITS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr, OVF: tl.constexpr,
 ):
     """``dx[t] = Σ_j dgate · Wg[j] + dup · Wu[j]`` over the stored pairs of each sparse row, from
     ``_tokens_dh_kernel``'s ``dh``; one ``BLOCK_D`` column block per program, the programs of block
@@ -426,7 +426,7 @@ def _tokens_dx_kernel(
                 acc_ev, acc_od = zero_row(lanes, PAIRS)
                 slot0 = t64 * N_TILES * SLOTS
                 cnt_base, rem, ct, cs, cc = _row_cursor(count_ptr, t64, N_TILES, SLOTS, NT_P2, BITS)
-                ok, slot, jp, pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "")
+                ok, slot, jp, pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "", OVF)
                 while ok:
                     wu = load_row(wu_ptr, jp * stride_wu, lanes, l_ok, PAIRS, "")
                     dh = tl.load(dh_ptr + slot)
@@ -436,7 +436,7 @@ def _tokens_dx_kernel(
                         wg = load_row(wg_ptr, jp * stride_wg, lanes, l_ok, PAIRS, "")
                     rem, ct, cs, cc = next_pair(count_ptr, cnt_base, rem, ct, cs, cc, N_TILES, SLOTS, BITS)
                     next_ok, next_slot, next_jp, next_pre = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS,
-                                                                      "")
+                                                                      "", OVF)
                     act, hv = _hidden(pre, up, GATED)
                     d_gate, d_up = _pair_grads(pre, up, act, dh, GATED)
                     wu_ev, wu_od = widen(wu, PAIRS)
@@ -777,6 +777,7 @@ def _wgrad_kernel(
     # meta-parameters
     GATED: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, PARTIAL: tl.constexpr, SEGS: tl.constexpr,
     BK: tl.constexpr, BD: tl.constexpr, CK: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr,
+    OVF: tl.constexpr,
 ):
     """``dWg[j, dblock]``, ``dWu[j, dblock]``, ``dWdᵀ[j, dblock]`` (and ``dbg[j]``, ``dbu[j]`` from
     the first D slice) for neuron ``j = order[p]`` and D slice ``c``, ``program_id(0) = p · slices + c``.
@@ -832,7 +833,7 @@ def _wgrad_kernel(
         m2 = k_ok[:, None] & l_ok[None, :]
         xr = load_row(x_ptr, tok[:, None] * stride_xm, lanes[None, :], m2, PAIRS, "")
         gr = load_row(dout_ptr, tok[:, None] * stride_gm, lanes[None, :], m2, PAIRS, "")
-        pre = tl.load(val_ptr + slot, mask=k_ok, other=0.0)
+        pre = overflow_up(tl.load(val_ptr + slot, mask=k_ok, other=0.0), OVF)
         dh = tl.load(dh_ptr + slot, mask=k_ok, other=0.0)
         if GATED:
             up = tl.load(up_ptr + slot, mask=k_ok, other=0.0)
@@ -1115,7 +1116,8 @@ def sparse_ffn_backward(
     # 3. Launch: sparse rows (dx, dh), dense rows (scratch, dx), then the weight gradients.
     block_d = max(16, next_power_of_2(d))
     nt_p2 = max(2, next_power_of_2(n_tiles))
-    walk = dict(GATED=gated, SLOTS=slots, NT_P2=nt_p2, BITS=bit_walk(nt_p2))
+    ovf = overflow_threshold(x.dtype)  # the stored pre-activations' overflow (sparse_ffn.overflow_up)
+    walk = dict(GATED=gated, SLOTS=slots, NT_P2=nt_p2, BITS=bit_walk(nt_p2), OVF=ovf)
     launch(_tokens_dh_kernel, lambda meta: (cdiv(m, meta["TOKENS"]),),
         dout, wdt, idx, val, up, count, dense_u8, scale, dh, m, d, h, n_tiles, dout.stride(0), wdt.stride(0),
         BLOCK_D=block_d, PAIRS=paired(dout, wdt), **walk,
@@ -1163,6 +1165,6 @@ def sparse_ffn_backward(
         seg_part, seg_sum, tickets,
         d, h, n_tiles * slots, r_cap, r_cap * h, top, split_min,
         x.stride(0), dout.stride(0), *w_strides,
-        **flags, PARTIAL=partial, SEGS=segs, BK=bk, PAIRS=paired(x, dout),
+        **flags, PARTIAL=partial, SEGS=segs, BK=bk, PAIRS=paired(x, dout), OVF=ovf,
     )
     return Grads(dx, dwg, dwu, transposed(dwdt), dbg, dbu, dbd)

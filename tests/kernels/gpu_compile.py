@@ -124,7 +124,7 @@ def variants(arch: str, full: bool):
     for dtype, gated, all_configs in cases:
         tag = f"{TY[dtype]} {'gated' if gated else 'plain'}"
         sixteen = dtype != torch.float32  # also: fp32 variants compile the pair loops' D mask (EVEN_D off)
-        ovf = GP.overflow_threshold(dtype)
+        ovf = SF.overflow_threshold(dtype)
 
         # gate_pack: TMA descriptors (Hopper, 16-bit) or pointers.
         for use_tma in ([True, False] if hopper and sixteen else [False]):
@@ -135,7 +135,7 @@ def variants(arch: str, full: bool):
                     types = {"x": f"tensordesc<{TY[dtype]}[{bm}, {bk}]>", "w": f"tensordesc<{TY[dtype]}[{TILE_N}, {bk}]>"}
                 # EVEN_N, EVEN_M: H = 5632 and M = 16384 fill their tiles (the benchmark shape's
                 # kernels); the other cases compile the column and row masks of shapes that do not
-                consts = dict(HAS_BIAS=True, USE_TMA=use_tma, IEEE=not sixteen, INTERPRET=False, OVF=ovf, SLOTS=SLOTS,
+                consts = dict(HAS_BIAS=True, USE_TMA=use_tma, IEEE=not sixteen, INTERPRET=False, SLOTS=SLOTS,
                               BLOCK_N=TILE_N, GROUP_M=GP._GROUP_M, EVEN_K=D % cfg.kwargs["BLOCK_K"] == 0,
                               EVEN_N=all_configs, EVEN_M=all_configs)
                 label = f"gate_pack {tag} tma={use_tma} {_name(cfg)}"
@@ -229,10 +229,10 @@ def variants(arch: str, full: bool):
             for cfg in _configs(kernel, all_configs, dict(BLOCK_D=block)):
                 for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
                     yield f"{name} {tag} bits={bits} pairs={pairs} {_name(cfg)}", (
-                        lambda dtype=dtype, gated=gated, cfg=cfg, bits=bits, pairs=pairs, kernel=kernel, block=block:
+                        lambda dtype=dtype, gated=gated, cfg=cfg, bits=bits, pairs=pairs, kernel=kernel, block=block, ovf=ovf:
                         compile_kernel(kernel, target, dtype,
                                        dict(GATED=gated, SLOTS=SLOTS, BLOCK_D=block, EVEN_D=sixteen, NT_P2=NT_P2,
-                                            BITS=bits, PAIRS=pairs),
+                                            BITS=bits, PAIRS=pairs, OVF=ovf),
                                        {"dense_ptr": "*u8"}, cfg))
         bh, bk, bd = 64, 64, (64 if dtype == torch.float32 else 128)
         flags = dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=native, BR=DR.BR, BH=bh, BK=bk)
@@ -246,10 +246,10 @@ def variants(arch: str, full: bool):
         for partial, pairs in [(p, q) for p in (False, True) for q in pair_reads]:
             for cfg in _configs(SB._wgrad_kernel, all_configs, {}, {"D": D}):
                 yield f"wgrad {tag} partial={partial} pairs={pairs} {_name(cfg)}", (
-                    lambda dtype=dtype, gated=gated, cfg=cfg, partial=partial, pairs=pairs: compile_kernel(
+                    lambda dtype=dtype, gated=gated, cfg=cfg, partial=partial, pairs=pairs, ovf=ovf: compile_kernel(
                         SB._wgrad_kernel, target, dtype,
                         dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, SEGS=SB._HOT_SEGMENTS, BK=64,
-                             EVEN_D=sixteen, PAIRS=pairs),
+                             EVEN_D=sixteen, PAIRS=pairs, OVF=ovf),
                         {"nptr_ptr": "*i64", "order_ptr": "*i64"}, cfg))
 
 

@@ -171,16 +171,30 @@ def test_nonfinite_x_rows(dtype, kind):
     assert_packed_equal(got, R.gate_pack_ref(x, w, b))
 
 
-def test_float16_overflow_becomes_inf():
-    """Pre-activations past float16's range round to ±Inf, as dense float16 PyTorch makes them."""
+def test_float16_overflow_is_stored_as_accumulated_and_read_as_inf():
+    """Pre-activations past float16's range are stored as accumulated (finite), and the sparse
+    kernel reads them as +Inf, as dense float16 PyTorch rounds the gate: a gate of 70000 times an up
+    of 2^-10 gives h = Inf, not 68.4."""
+    from twell_compile.kernels.sparse_ffn import sparse_ffn
+
     pre = torch.tensor([[70000.0, -70000.0, 65504.0, 65519.0, 65520.0, 1.0, -1.0, 3.0]])
     x = torch.tensor([[256.0]], dtype=torch.float16, device=DEV)
     w = (pre.T / 256.0).to(torch.float16).to(DEV)  # 256 · w is exact, the product exceeds 65504
     got = gate_pack(x, w)
-    ref = R.gate_pack_ref(x, w)
-    assert_packed_equal(got, ref)
+    assert_packed_equal(got, R.gate_pack_ref(x, w))
     vals = got.val[0, 0, : int(got.count[0, 0])].tolist()
-    assert vals[0] == INF and 65504.0 in vals
+    products = (256.0 * w.float().cpu()).view(-1)  # exact in fp32
+    assert vals == products[products > 0].tolist() and vals[0] == 70016.0 and max(vals[1:4]) >= 65520.0
+
+    wg = w.clone()
+    wg[2:6] = -1.0  # active: 70016 and 3
+    wu = torch.full((8, 1), 2.0**-18, dtype=torch.float16, device=DEV)  # up = 2^-10
+    wd = torch.ones(1, 8, dtype=torch.float16, device=DEV)
+    packed = gate_pack(x, wg)
+    assert packed.val[0, 0, 0].item() == 70016.0
+    out = sparse_ffn(x, packed, wu, wd, wg=wg)
+    assert out.item() == INF
+    assert torch.equal(out, R.ffn_forward_ref(x, wg, wu, wd).out)
 
 
 @settings(max_examples=25, deadline=None)

@@ -82,7 +82,7 @@ def expected_l1_rows(res: R.ForwardResult, ffn: FFN) -> torch.Tensor:
     """float64 ``[M]``: each row's ``Σ |h|`` over its stored pairs, as the reference computes h
     (gated: with the input dtype's overflow points), and 0 for the reference's dense rows."""
     stored = res.packed.stored_mask() & ~res.dense_rows.view(-1, 1, 1)
-    act = torch.relu(res.packed.val.double())
+    act = torch.relu(R.overflow_like(res.packed.val.double(), ffn.dtype))  # stored as accumulated
     h = R.overflow_like(act * res.up_val.double(), ffn.dtype) if ffn.gated else act
     return torch.where(stored, h.abs(), 0.0).sum((1, 2))
 
