@@ -112,6 +112,20 @@ def _operand_ring_bytes(config, block_n: int, element_size: int) -> int:
     return config.num_stages * (kw["BLOCK_M"] + block_n) * kw["BLOCK_K"] * element_size
 
 
+def _tma_fits(device: torch.device, element_size: int, block_n: int) -> bool:
+    """Whether some TMA config's operand ring fits ``device``'s opt-in shared memory per block. The
+    smallest needs 128 KiB at 16-bit inputs: more than GPUs of ~100 KiB per block (sm120, the
+    consumer Blackwell parts) have, which then take the pointer path. True when the limit is
+    unknown, and off the GPU."""
+    if INTERPRET or device.type != "cuda":
+        return True
+    room = getattr(_properties(device), "shared_memory_per_block_optin", None)
+    if room is None:
+        return True
+    return any(_operand_ring_bytes(c, block_n, element_size) + _SMEM_SLACK <= room
+               for c in _cuda_configs() if c.kwargs["BIT_RANKS"])
+
+
 def _prune_configs(configs, nargs, **kwargs):
     """With TMA loads: bit-count ranks, and of configs that differ only in their pipeline depth the
     deepest whose operand ring fits the GPU's shared memory. On the H200 (bf16, D=2048, H=5632,
@@ -458,9 +472,14 @@ def gate_pack(
             and _sm90_or_newer(x.device)
             and _tma_ok(x)
             and _tma_ok(w)
+            and _tma_fits(x.device, x.element_size(), layout.tile_n)
         )
     elif use_tma and not (_tma_ok(x) and _tma_ok(w)):
         raise ValueError("use_tma=True needs x and w with unit last stride and 16-byte aligned rows")
+    elif use_tma and not _tma_fits(x.device, x.element_size(), layout.tile_n):
+        raise ValueError(f"use_tma=True: no TMA config of gate_pack fits this GPU's "
+                         f"{_properties(x.device).shared_memory_per_block_optin} bytes of shared memory per "
+                         "block; pass use_tma=False (or None, which chooses)")
     if use_tma:
         # Block shapes are placeholders; the autotune pre-hook sets them per config.
         xa = TensorDescriptor.from_tensor(x, [16, 16])

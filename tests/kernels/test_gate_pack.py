@@ -377,3 +377,17 @@ def test_tma_configs_keep_the_deepest_pipeline_that_fits(monkeypatch, room, stag
         assert all(GP._operand_ring_bytes(c, 128, 2) + GP._SMEM_SLACK <= room for c in tma)
     pointers = GP._prune_configs(configs, {"x": torch.empty(1, 1)}, USE_TMA=False, BLOCK_N=128)
     assert pointers == [c for c in configs if not c.kwargs["BIT_RANKS"]]
+
+
+@pytest.mark.parametrize("room, fits", [(232_448, True), (101_376, False), (None, True)])
+def test_tma_path_only_where_a_config_fits(monkeypatch, room, fits):
+    """GPUs of ~100 KiB of shared memory per block (sm120) fit no TMA config (the smallest ring is
+    128 KiB at 16-bit inputs): the launcher takes the pointer path there, and an explicit
+    ``use_tma=True`` names the limit. An unknown limit keeps TMA."""
+    from types import SimpleNamespace
+
+    props = SimpleNamespace(major=12) if room is None else SimpleNamespace(major=12, shared_memory_per_block_optin=room)
+    monkeypatch.setattr(GP, "INTERPRET", False)
+    monkeypatch.setattr(GP, "_PROPERTIES", {0: props})
+    assert GP._tma_fits(torch.device("cuda", 0), 2, 128) is fits
+    assert GP._tma_fits(torch.device("cpu"), 2, 128)  # off the GPU: the interpreter's choice stands
