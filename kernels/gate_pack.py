@@ -34,17 +34,19 @@ Bytes, for 16-bit inputs (``e`` = element size, ``a`` = stored actives per row):
 * written: ``M·n_tiles·4`` (count) + ``M·a·8`` (idx + val), against ``M·H·e`` for a dense gate:
   at D=2048, H=5632, 28 actives per token that is 312 B instead of 11264 B per token.
 
-Loads go through TMA tensor descriptors on sm90+ (``use_tma``), or plain pointers elsewhere and
-in the interpreter by default. With TMA, the autotuner's usual pick is one persistent program per
-SM looping over the tiles, so a tile's epilogue overlaps the next tile's loads, but not the MMAs:
-on the H200 at D=2048, H=5632, M=16384 the main loop alone takes 0.48-0.50 ms (cuBLAS's GEMM
-0.51-0.53) and the epilogue adds 0.11 ms (docs/benchmarks.md, session 28); with pointers, each
+Loads go through TMA tensor descriptors on sm90+ where a TMA config fits the shared memory
+(``use_tma``, ``_tma_fits``), or plain pointers elsewhere and in the interpreter by default. With
+TMA, the autotuner's usual pick is one persistent program per SM looping over the tiles, so a
+tile's epilogue overlaps the next tile's loads, but not the MMAs: on the H200 at D=2048, H=5632,
+M=16384 the main loop alone takes 0.48-0.50 ms (cuBLAS's GEMM 0.51-0.53) and the epilogue adds
+~0.07 ms (docs/benchmarks.md, sessions 28-29); with pointers, each
 program packs one tile. fp32 inputs use IEEE fp32 products (``input_precision="ieee"``), as dense
 PyTorch does with TF32 off; fp16/bf16 use tensor cores with fp32 accumulation.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -120,10 +122,13 @@ def _tma_fits(device: torch.device, element_size: int, block_n: int) -> bool:
     if INTERPRET or device.type != "cuda":
         return True
     room = getattr(_properties(device), "shared_memory_per_block_optin", None)
-    if room is None:
-        return True
-    return any(_operand_ring_bytes(c, block_n, element_size) + _SMEM_SLACK <= room
-               for c in _cuda_configs() if c.kwargs["BIT_RANKS"])
+    return room is None or _smallest_tma_ring(element_size, block_n) + _SMEM_SLACK <= room
+
+
+@functools.lru_cache(maxsize=None)
+def _smallest_tma_ring(element_size: int, block_n: int) -> int:
+    """The smallest operand ring of the TMA configs (cached: the launcher asks on every call)."""
+    return min(_operand_ring_bytes(c, block_n, element_size) for c in _cuda_configs() if c.kwargs["BIT_RANKS"])
 
 
 def _prune_configs(configs, nargs, **kwargs):
