@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_tensor
 from .launch import capturing, cdiv, launch, next_power_of_2, raw_stream
 
 # Set before import (DESIGN.md section 9): the interpreter computes bf16 tl.dot wrongly.
@@ -213,19 +214,26 @@ def zeroed_scratch(n: int, device: torch.device, *, reuse: bool) -> torch.Tensor
 
 
 @triton.jit
-def _dense_list_kernel(flags_ptr, rows_ptr, ndense_ptr, M, BLOCK: tl.constexpr):
+def _dense_list_kernel(flags_ptr, rows_ptr, ndense_ptr, rowcnt_ptr, values_ptr, scratch_ptr, M,
+                       BLOCK: tl.constexpr, RECORD: tl.constexpr = False, FLAG: tl.constexpr = 0.0):
     """One program: ``rows[0:n]`` = the rows with ``flags != 0`` in increasing order, ``ndense = n``.
-    ``BLOCK`` flags per step, ranked by a prefix sum on top of the running count."""
+    ``BLOCK`` flags per step, ranked by a prefix sum on top of the running count. With RECORD, the
+    call's record (``finish_call``) from the flagged rows and the rows' active counts ``rowcnt``."""
     offs = tl.arange(0, BLOCK)
     count = tl.program_id(0) * 0  # int32 running count
+    active = count.to(tl.int64)
     for start in range(0, M, BLOCK):
         r = start + offs
         f = (tl.load(flags_ptr + r, mask=r < M, other=0) != 0).to(tl.int32)
+        if RECORD:
+            active += tl.sum(tl.load(rowcnt_ptr + r, mask=r < M, other=0).to(tl.int64), axis=0)
         if tl.max(f, axis=0) > 0:  # most blocks flag nothing: no scan for them
             pos = count + tl.cumsum(f, axis=0) - f
             tl.store(rows_ptr + pos, r, mask=f != 0)
             count += tl.sum(f, axis=0)
     tl.store(ndense_ptr, count)
+    if RECORD:
+        finish_call(values_ptr, scratch_ptr, active, count, M, FLAG)
 
 
 @jit_helper
@@ -265,14 +273,28 @@ def _empty_list(m: int, device) -> RowList:
                    torch.empty(1, dtype=torch.int32, device=device))
 
 
-def dense_list(flags: torch.Tensor) -> RowList:
+def dense_list(flags: torch.Tensor, record: Optional[CallRecord] = None,
+               row_counts: Optional[torch.Tensor] = None) -> RowList:
     """``RowList`` of the rows flagged in bool ``flags [M]``. One launch, no host sync (it replaced
     six tensor ops whose launches cost more host time than their work); ``flag_rows(...,
-    with_list=True)`` makes it on the way instead."""
+    with_list=True)`` makes it on the way instead. ``record`` (with int32 ``row_counts [M]``, each
+    row's active entries) receives the call's record: ``Σ row_counts`` and the flagged rows."""
+    if (record is None) != (row_counts is None):
+        raise ValueError("dense_list: pass record and row_counts together")
     m = flags.shape[0]
     out = _empty_list(m, flags.device)
-    launch(_dense_list_kernel, (1,), flags.contiguous().view(torch.uint8), out.rows, out.n_dense, m,
-           BLOCK=_LIST_BLOCK, num_warps=8)
+    if record is not None:
+        check_record(record, flags.device)
+        check_tensor("row_counts", row_counts, (m,), (torch.int32,), flags.device)
+        if m == 0:
+            record_without_kernel(record, m)
+            out.n_dense.zero_()
+            return out
+    f = flags.contiguous().view(torch.uint8)
+    meta = (record.values, record.scratch) if record is not None else (out.n_dense, out.n_dense)
+    launch(_dense_list_kernel, (1,), f, out.rows, out.n_dense, f if row_counts is None else row_counts.contiguous(),
+           *meta, m, BLOCK=_LIST_BLOCK, RECORD=record is not None,
+           FLAG=0.0 if record is None else float(record.flag), num_warps=8)
     return out
 
 

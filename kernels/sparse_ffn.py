@@ -96,8 +96,9 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .checks import check_ffn_operands, check_packed, check_row_list, check_tensor
-from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, RowList, column_mask, dense_list, dot, dot_split,
-                         jit_helper, reduce_sum, rowmajor, scratch_capacity, scratch_product, split_count)
+from .dense_rows import (BLOCKED_ROW_PROGRAMS, BR, INTERPRET, CallRecord, RowList, check_record, column_mask,
+                         dense_list, dot, dot_split, jit_helper, record_without_kernel, reduce_sum, rowmajor,
+                         scratch_capacity, scratch_product, split_count)
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked
 from .launch import cdiv, launch, next_power_of_2
 from .reference import OVERFLOW_THRESHOLD, _finite, _may_overflow
@@ -341,7 +342,7 @@ def load_pair(idx_ptr, val_ptr, slot0, tau, s, N_TILES, SLOTS: tl.constexpr, EVI
 def _sparse_ffn_kernel(
     # pointers
     x_ptr, wu_ptr, bu_ptr, wdt_ptr, bd_ptr,
-    idx_ptr, val_ptr, count_ptr, dense_ptr, out_ptr, up_ptr, whole_ptr, l1_ptr,
+    idx_ptr, val_ptr, count_ptr, dense_ptr, out_ptr, up_ptr, whole_ptr, l1_ptr, bound_ptr, rowcnt_ptr,
     # dimensions
     M, D, H, N_TILES,
     # row strides (elements; every last dimension is contiguous)
@@ -351,6 +352,7 @@ def _sparse_ffn_kernel(
     STORE_UP: tl.constexpr, STORE_WHOLE: tl.constexpr, STORE_L1: tl.constexpr, SLOTS: tl.constexpr,
     NT_P2: tl.constexpr, BLOCK_D: tl.constexpr, OVF: tl.constexpr, TOKENS: tl.constexpr,
     BITS: tl.constexpr, PAIRS: tl.constexpr, EVEN_D: tl.constexpr,
+    GUARD: tl.constexpr = False, MARK: tl.constexpr = False,
 ):
     """``out[t] = Σ_pairs h · Wdᵀ[j] + bd`` for every token ``t`` that is not a whole-dense row.
 
@@ -363,6 +365,13 @@ def _sparse_ffn_kernel(
     each stored pair of a row with no overflowed tile and no dense flag. With STORE_L1,
     ``l1 [M]`` fp32 receives each such row's ``Σ |h|`` over its stored pairs, and 0 for every
     whole-dense row.
+
+    With GUARD the finiteness guard of ``dense_rows.flag_rows`` is computed here, from the x row
+    the pair loop loads anyway, instead of read from ``dense``: a row with no overflowed tile is
+    whole-dense unless ``‖x[t]‖·bound[0] + bound[1] < bound[2]`` (fp32 norm; NaN flags). Each
+    row's ``Σ count`` (as read, before any mark) goes to ``rowcnt [M]`` int32, for the call's
+    record (``dense_rows.dense_list``). With MARK, a row the guard flags gets ``count[t, 0] =
+    SLOTS + 1``, as ``flag_rows(mark=True)`` does, so that the backward computes it densely.
     """
     pid = tl.program_id(0)
     lanes, l_ok = row_lanes(0, D, BLOCK_D, PAIRS, EVEN_D)
@@ -377,57 +386,68 @@ def _sparse_ffn_kernel(
             t64 = t.to(tl.int64)
             cnt = tl.load(count_ptr + t64 * N_TILES + tiles, mask=t_ok, other=0)
             n_over = tl.sum((cnt > SLOTS).to(tl.int32), axis=0)
-            sparse_row = (tl.load(dense_ptr + t64) == 0) & (n_over == 0)
-            if STORE_WHOLE:
-                tl.store(whole_ptr + t64, (sparse_row == 0).to(tl.uint8))
+            if GUARD:
+                tl.store(rowcnt_ptr + t64, tl.sum(cnt, axis=0))
+                sparse_row = n_over == 0
+            else:
+                sparse_row = (tl.load(dense_ptr + t64) == 0) & (n_over == 0)
             slot0 = t64 * N_TILES * SLOTS  # first slot of this token's TwELL row
             l1_row = tl.full([], 0.0, tl.float32)
+            guarded = n_over < 0  # False
 
             if sparse_row:
                 x_ev, x_od = widen(load_row(x_ptr, t64 * stride_xm, lanes, l_ok, PAIRS, "evict_first"), PAIRS)
-                acc_ev, acc_od = zero_row(lanes, PAIRS)
-                # The stored pairs in (tile, slot) order (next_pair); the next pair's idx/val are
-                # loaded while this pair's weight rows are gathered.
-                cnt_base = t64 * N_TILES
-                rem, ct, cs, cc = first_pair(count_ptr, cnt_base, tile_set(cnt, tiles, SLOTS, BITS), N_TILES, SLOTS,
-                                             BITS)
-                ok, slot, jp, gp = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "evict_first", OVF)
-                while ok:
-                    wd = load_row(wdt_ptr, jp * stride_wdt, lanes, l_ok, PAIRS, "")
-                    if GATED:
-                        wu = load_row(wu_ptr, jp * stride_wu, lanes, l_ok, PAIRS, "")
-                        if HAS_BU:
-                            bu_j = tl.load(bu_ptr + jp).to(tl.float32)
-                    rem, ct, cs, cc = next_pair(count_ptr, cnt_base, rem, ct, cs, cc, N_TILES, SLOTS, BITS)
-                    next_ok, next_slot, next_jp, next_gp = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS,
-                                                                     "evict_first", OVF)
-                    act = tl.where(gp <= 0.0, 0.0, gp)  # relu that keeps NaN, as torch.relu does
-                    if GATED:
-                        wu_ev, wu_od = widen(wu, PAIRS)
-                        up = tl.sum(join_row(wu_ev * x_ev, wu_od * x_od, PAIRS), axis=0)  # one FFMA chain a thread
-                        if HAS_BU:
-                            up += bu_j
-                        if OVF > 0:  # dense rounds up and h to the input dtype: its overflow points
-                            up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
-                        if STORE_UP:
-                            tl.store(up_ptr + slot, up)
-                        hv = act * up
-                        if OVF > 0:
-                            hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
-                    else:
-                        hv = act
-                    if STORE_L1:
-                        l1_row += tl.abs(hv)
-                    wd_ev, wd_od = widen(wd, PAIRS)
-                    acc_ev += hv * wd_ev
-                    acc_od += hv * wd_od
-                    ok, slot, jp, gp = next_ok, next_slot, next_jp, next_gp
+                if GUARD:
+                    sq = tl.sum(join_row(x_ev * x_ev, x_od * x_od, PAIRS), axis=0)
+                    guarded = (tl.sqrt_rn(sq) * tl.load(bound_ptr) + tl.load(bound_ptr + 1) < tl.load(bound_ptr + 2)) == 0
+                    if MARK:
+                        tl.store(count_ptr + t64 * N_TILES, tl.full([], SLOTS + 1, tl.int32), mask=guarded)
+                if guarded == 0:
+                    acc_ev, acc_od = zero_row(lanes, PAIRS)
+                    # The stored pairs in (tile, slot) order (next_pair); the next pair's idx/val are
+                    # loaded while this pair's weight rows are gathered.
+                    cnt_base = t64 * N_TILES
+                    rem, ct, cs, cc = first_pair(count_ptr, cnt_base, tile_set(cnt, tiles, SLOTS, BITS), N_TILES, SLOTS,
+                                                 BITS)
+                    ok, slot, jp, gp = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS, "evict_first", OVF)
+                    while ok:
+                        wd = load_row(wdt_ptr, jp * stride_wdt, lanes, l_ok, PAIRS, "")
+                        if GATED:
+                            wu = load_row(wu_ptr, jp * stride_wu, lanes, l_ok, PAIRS, "")
+                            if HAS_BU:
+                                bu_j = tl.load(bu_ptr + jp).to(tl.float32)
+                        rem, ct, cs, cc = next_pair(count_ptr, cnt_base, rem, ct, cs, cc, N_TILES, SLOTS, BITS)
+                        next_ok, next_slot, next_jp, next_gp = load_pair(idx_ptr, val_ptr, slot0, ct, cs, N_TILES, SLOTS,
+                                                                         "evict_first", OVF)
+                        act = tl.where(gp <= 0.0, 0.0, gp)  # relu that keeps NaN, as torch.relu does
+                        if GATED:
+                            wu_ev, wu_od = widen(wu, PAIRS)
+                            up = tl.sum(join_row(wu_ev * x_ev, wu_od * x_od, PAIRS), axis=0)  # one FFMA chain a thread
+                            if HAS_BU:
+                                up += bu_j
+                            if OVF > 0:  # dense rounds up and h to the input dtype: its overflow points
+                                up = tl.where(tl.abs(up) >= OVF, tl.where(up > 0, float("inf"), float("-inf")), up)
+                            if STORE_UP:
+                                tl.store(up_ptr + slot, up)
+                            hv = act * up
+                            if OVF > 0:
+                                hv = tl.where(tl.abs(hv) >= OVF, tl.where(hv > 0, float("inf"), float("-inf")), hv)
+                        else:
+                            hv = act
+                        if STORE_L1:
+                            l1_row += tl.abs(hv)
+                        wd_ev, wd_od = widen(wd, PAIRS)
+                        acc_ev += hv * wd_ev
+                        acc_od += hv * wd_od
+                        ok, slot, jp, gp = next_ok, next_slot, next_jp, next_gp
 
-                acc = join_row(acc_ev, acc_od, PAIRS)
-                if HAS_BD:
-                    acc += tl.load(bd_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                tl.store(out_ptr + t64 * stride_om + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok,
-                         eviction_policy="evict_first")
+                    acc = join_row(acc_ev, acc_od, PAIRS)
+                    if HAS_BD:
+                        acc += tl.load(bd_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                    tl.store(out_ptr + t64 * stride_om + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok,
+                             eviction_policy="evict_first")
+            if STORE_WHOLE:
+                tl.store(whole_ptr + t64, ((sparse_row == 0) | guarded).to(tl.uint8))
             if STORE_L1:
                 tl.store(l1_ptr + t64, l1_row)
 
@@ -582,6 +602,9 @@ def sparse_ffn(
     row_list: Optional[RowList] = None,
     reuse_tickets: bool = False,
     l1_rows: Optional[torch.Tensor] = None,
+    guard_bound: Optional[torch.Tensor] = None,
+    record: Optional[CallRecord] = None,
+    mark: bool = False,
 ):
     """The FFN output from its packed gate (gated) or packed up pre-activation (plain).
 
@@ -620,6 +643,15 @@ def sparse_ffn(
             computes, ``Σ |h|`` over its stored pairs (its share of the L1 term), and 0 for the
             rows computed densely; summed in the loop, so the L1 value costs no pass over the
             TwELL buffers.
+        guard_bound: fp32 ``[3]`` bound of the finiteness guard (``weights.weight_prep``'s
+            forward bound): the kernel applies the guard of ``dense_rows.flag_rows`` itself,
+            from the x rows it loads anyway, instead of taking ``dense_rows`` (which must then be
+            None, as ``row_list``): one launch and one read of x fewer than ``flag_rows`` first.
+        record: with ``guard_bound``, the call's ``CallRecord`` (active entries as packed, and
+            the rows computed densely), stored as ``flag_rows`` stores it.
+        mark: with ``guard_bound``, each row the guard flags that has no overflowed tile gets
+            ``packed.count[t, 0] = slots + 1`` in place (``flag_rows(mark=True)``), so that a
+            backward computes it densely. ``packed.count`` must be contiguous.
 
     Returns:
         ``out [M, D]``, or ``(out, up_val)`` with ``return_up``.
@@ -645,6 +677,17 @@ def sparse_ffn(
         check_tensor("l1_rows", l1_rows, (m,), (torch.float32,), dev)
         if not l1_rows.is_contiguous():
             raise ValueError("l1_rows must be contiguous")
+    if guard_bound is None:
+        if record is not None or mark:
+            raise ValueError("record and mark need guard_bound (the guard computed in the kernel)")
+    else:
+        if dense_rows is not None or row_list is not None:
+            raise ValueError("guard_bound computes the dense rows: pass no dense_rows or row_list with it")
+        check_tensor("guard_bound", guard_bound, (3,), (torch.float32,), dev)
+        if record is not None:
+            check_record(record, dev)
+        if mark and not packed.count.is_contiguous():
+            raise ValueError("packed.count must be contiguous to be marked in place")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _DTYPES:
         raise TypeError(f"out_dtype must be one of {[str(t) for t in _DTYPES]}, got {out_dtype}")
@@ -661,18 +704,21 @@ def sparse_ffn(
     if m == 0 or h == 0:  # nothing to gather: out = bd
         if l1_rows is not None:
             l1_rows.zero_()
+        if record is not None:
+            record_without_kernel(record, m)
         out = torch.zeros(m, d, dtype=torch.float32, device=dev)
         out = (out if bd is None else out + bd.float()).to(out_dtype)
         return (out, up_val) if return_up else out
     out = torch.empty(m, d, dtype=out_dtype, device=dev)
-    if dense_rows is None:
+    guard = guard_bound is not None
+    if dense_rows is None and not guard:
         dense_rows = guard_rows(x, wg, wu, wd, bg, bu, bd)
     x, wu = rowmajor(x), rowmajor(wu)
     wg = rowmajor(wg) if gated else wu  # plain: never read
     wdt = transposed(wd)  # [H, D]: column j of Wd as a contiguous row (no copy if wd = wdt.t())
     idx, val, count = packed.idx.contiguous(), packed.val.contiguous(), packed.count.contiguous()
-    dense_rows = dense_rows.contiguous()
     dummy = val  # stands in for absent biases; never read
+    dense_rows = dense_rows.contiguous() if not guard else dummy
     bg_, bu_, bd_ = (dummy if b is None else b for b in (bg, bu, bd))
     weights = (x, wg, bg_, wu, bu_, wdt, bd_)
     strides = (x.stride(0), wg.stride(0), wu.stride(0), wdt.stride(0), out.stride(0))
@@ -683,16 +729,23 @@ def sparse_ffn(
     # 3. Launch: sparse rows, then the whole-dense rows it flags (the kernels write disjoint rows).
     block_d = max(16, next_power_of_2(d))
     whole = torch.empty(m, dtype=torch.bool, device=dev) if row_list is None else dense_rows
+    row_counts = torch.empty(m, dtype=torch.int32, device=dev) if guard else None
     launch(_sparse_ffn_kernel, lambda meta: (cdiv(m, meta["TOKENS"]),),
         x, wu, bu_, wdt, bd_, idx, val, count, dense_rows, out, up_val if store_up else dummy,
-        whole.view(torch.uint8), dummy if l1_rows is None else l1_rows,
+        whole.view(torch.uint8), dummy if l1_rows is None else l1_rows, guard_bound if guard else dummy,
+        row_counts if guard else dummy,
         m, d, h, n_tiles, x.stride(0), wu.stride(0), wdt.stride(0), out.stride(0),
         GATED=gated, HAS_BU=bu is not None, HAS_BD=bd is not None, STORE_UP=store_up, STORE_WHOLE=row_list is None,
         STORE_L1=l1_rows is not None, SLOTS=slots, NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf, BITS=bit_walk(nt_p2),
-        PAIRS=paired(x, wu, wdt),
+        PAIRS=paired(x, wu, wdt), GUARD=guard, MARK=guard and mark,
     )
+    if guard and record is not None:
+        listed = dense_list(whole, record=record, row_counts=row_counts)
+    elif row_list is None:
+        listed = dense_list(whole)
+    else:
+        listed = row_list
     if d > 0:
-        listed = dense_list(whole) if row_list is None else row_list
         _launch_whole_dense(listed, *weights, out, strides, flags, ovf, dense_scratch_rows, reuse_tickets)
     return (out, up_val) if return_up else out
 

@@ -383,8 +383,12 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
     if prep is None:
         prep = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)  # once: uncached, it is a launch
     forward_bound, _, wd_rows = prep
-    whole, listed = _guard_rows(x2d, forward_bound, packed.count, record, keep=keep)
-    rows = dict(dense_rows=whole, row_list=listed, wg=wg, bg=bg)
+    # The finiteness guard (kernels/reference.py, "Exactness guard"), in the pair loop's kernel from
+    # the x rows it loads anyway: a non-finite row has a non-finite norm, and for gated FFNs
+    # ‖x_t‖·max‖Wu_j‖ + max|bu| bounds the up projection (a huge finite row is flagged too, which
+    # only costs speed). It marks the rows it sends dense in the counts, where the backward finds
+    # them, and stores the call's record.
+    rows = dict(wg=wg, bg=bg, guard_bound=forward_bound, record=record, mark=True)
     l1 = None
     if training:  # the backward needs the up values at the stored pairs
         # Every training call stores the L1 shares (one kernel variant, so none is first compiled
@@ -519,26 +523,10 @@ class _WeightPrep:
         return prep
 
 
-def _guard_rows(x, forward_bound, count, record=None, *, keep: bool = True):
-    """``(bool [M], RowList)``: the rows the forward computes densely (the guard's, and those with
-    an overflowed tile) and their list, in one kernel that reads x once (``dense_rows.flag_rows``),
-    which also marks the guard's rows overflowed in ``count`` (where the backward finds them) and
-    stores the call's ``record``: its active entries (the counts as packed) and dense rows.
-
-    A non-finite row has a non-finite norm, and for gated FFNs ``‖x_t‖·max‖Wu_j‖ + max|bu|``
-    bounds the up projection (a huge finite row is flagged too, which only costs speed);
-    ``forward_bound`` is ``_WeightPrep``'s.
-    """
-    from twell_compile.kernels.dense_rows import flag_rows
-
-    return flag_rows(x, forward_bound, count=count, slots=DEFAULT_LAYOUT.slots, record=record, mark=True,
-                     flag_overflow=True, with_list=True, reuse_tickets=keep)
-
-
 def _backward_guard_rows(dout, backward_bound, packed: TwellPacked, *, keep: bool = True):
     """``(bool [M], RowList)``: backward dense rows and their list, in one kernel: rows with an
     overflowed tile (which include the rows the forward's guard sent dense, marked in the counts by
-    ``_guard_rows``, and every row of a dense forward), and rows of ``dout`` that are non-finite
+    ``sparse_ffn``'s guard, and every row of a dense forward), and rows of ``dout`` that are non-finite
     or, gated, whose ``dh = dout·Wd`` may overflow (``backward_bound``: ``_WeightPrep``'s)."""
     from twell_compile.kernels.dense_rows import flag_rows
 

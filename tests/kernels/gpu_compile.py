@@ -48,8 +48,9 @@ D, SLOTS, TILE_N, NT_P2 = 2048, 16, 128, 64
 
 # Pointer arguments that are not of the FFN's dtype (the rest are).
 F32 = {"val_ptr", "up_ptr", "coef_ptr", "hid_ptr", "part_ptr", "psum_ptr", "dh_ptr", "scale_ptr", "seg_part_ptr",
-       "seg_sum_ptr", "l1_ptr"}
-I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr", "ticket_ptr", "tickets_ptr", "blk_ptr"}
+       "seg_sum_ptr", "l1_ptr", "bound_ptr"}
+I32 = {"idx_ptr", "count_ptr", "rows_ptr", "ndense_ptr", "counts_ptr", "list_ptr", "ticket_ptr", "tickets_ptr", "blk_ptr",
+       "rowcnt_ptr"}
 U8 = {"whole_ptr"}
 # Integer arguments that are multiples of 16 at the benchmark shape (M = 16384, D, H).
 _SIXTEEN_SIZES = {"M", "D", "H", "K", "N"}
@@ -147,12 +148,14 @@ def variants(arch: str, full: bool):
         walks = [True, False] if all_configs else [True]
         # bf16 rows are read as int32 pairs (PAIRS); other dtypes, and bf16 rows of odd length, by halves.
         pair_reads = [True, False] if dtype == torch.bfloat16 else [False]
+        # The ops compute the guard in the pair loop (GUARD, MARK); the API's default takes dense rows.
         for store_up in ([True, False] if gated else [False]):
-            for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
+            for bits, pairs, guard in [(b, p, g) for b in walks for p in pair_reads for g in (True, False)]:
                 for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D, PAIRS=pairs)):
                     consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, STORE_L1=store_up,
-                                  SLOTS=SLOTS, NT_P2=NT_P2, BLOCK_D=D, OVF=ovf, EVEN_D=sixteen, BITS=bits, PAIRS=pairs)
-                    yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} pairs={pairs} {_name(cfg)}",
+                                  STORE_WHOLE=True, SLOTS=SLOTS, NT_P2=NT_P2, BLOCK_D=D, OVF=ovf, EVEN_D=sixteen,
+                                  BITS=bits, PAIRS=pairs, GUARD=guard, MARK=guard)
+                    yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} pairs={pairs} guard={guard} {_name(cfg)}",
                            lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
                                SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))
         native = sixteen
@@ -172,8 +175,10 @@ def variants(arch: str, full: bool):
                     DR._split_product_kernel, target, dtype,
                     dict(TWO=two, SPLIT=split, NATIVE=True, HAS_BIAS=not two, BR=DR.BR, BH=bh, BD=bd),
                     {"bias_ptr": f"*{TY[dtype]}", "dst_ptr": f"*{TY[dtype]}"}, num_warps=warps))
-        yield "dense_list", (lambda: compile_kernel(DR._dense_list_kernel, target, torch.float32,
-                                                    {"BLOCK": 4096}, {"flags_ptr": "*u8"}, num_warps=8))
+        for rec in (False, True):
+            yield f"dense_list record={rec}", (lambda rec=rec: compile_kernel(
+                DR._dense_list_kernel, target, torch.float32, {"BLOCK": 4096, "RECORD": rec, "FLAG": 1.0},
+                {"flags_ptr": "*u8", "values_ptr": "*fp64", "scratch_ptr": "*i64"}, num_warps=8))
         # The forward guard (records, marks the counts); the backward's on dout; on x and dout (the API's).
         for backward, has_b in ((False, False), (True, False), (True, True)):
             yield f"flag_rows {tag} backward={backward} b={has_b}", (lambda dtype=dtype, backward=backward, has_b=has_b: compile_kernel(

@@ -520,3 +520,62 @@ def test_gpu_no_host_sync_cuda_graph_and_determinism(gated):
     torch.cuda.synchronize()
     eager = forward()
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1]), "graph replay differs from eager"
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_guard_in_the_pair_loop_flags_marks_and_records_as_flag_rows(gated):
+    """``sparse_ffn(guard_bound=...)`` computes the finiteness guard from the x rows it loads and
+    gives what ``flag_rows`` before it gives: the same output (NaN where it is NaN), the same
+    counts after the marks, and the same call record."""
+    from twell_compile.kernels.dense_rows import CallRecord, flag_rows
+    from twell_compile.kernels.weights import weight_prep
+
+    g = torch.Generator().manual_seed(3)
+    m, d, h = 24, 16, 300
+    x = torch.randn(m, d, generator=g).half()
+    wg, wu = (torch.randn(h, d, generator=g).half() for _ in range(2))
+    wd = torch.randn(d, h, generator=g).half()
+    bu = torch.full((h,), -8.0).half()  # sparse up pre-activations (plain)
+    bg = torch.full((h,), -8.0).half()  # sparse gates
+    wg[:, 15], wu[:, 15] = -wg[:, 15].abs(), -wu[:, 15].abs()  # feature 15 only switches neurons off
+    x[2, 3] = float("nan")  # every gate NaN, so active: its tiles overflow
+    x[5] = 0.0
+    x[5, 15] = float("inf")  # no active neuron, a non-finite row: the guard's alone
+    x[7] = 0.0
+    x[7, 15] = 3e4  # no active neuron; gated, its fp16 up projection may overflow: the guard's
+    x[9, 0] = 2e3  # half the neurons active: its tiles overflow
+    x, wg, wu, wd, bu, bg = (t.to(DEV) for t in (x, wg, wu, wd, bu, bg))
+    if not gated:
+        wg = bg = None
+    w, b = (wg, bg) if gated else (wu, bu)
+    bound = weight_prep(wg, wu, wd, bg, bu, None)[0]
+
+    def record():
+        return CallRecord(torch.zeros(5, dtype=torch.float64, device=DEV), torch.zeros(3, dtype=torch.int64, device=DEV), 1.0)
+
+    before, inside = gate_pack(x, w, b), gate_pack(x, w, b)
+    rec_before, rec_inside = record(), record()
+    flags, listed = flag_rows(x, bound, count=before.count, slots=DEFAULT_LAYOUT.slots, record=rec_before, mark=True,
+                              flag_overflow=True, with_list=True)
+    want = sparse_ffn(x, before, wu, wd, bu, None, dense_rows=flags, row_list=listed, wg=wg, bg=bg)
+    got = sparse_ffn(x, inside, wu, wd, bu, None, wg=wg, bg=bg, guard_bound=bound, record=rec_inside, mark=True)
+    assert bool(flags[[2, 5, 9]].all()) and bool(flags[7]) == gated and not bool(flags[[0, 1, 3]].any())
+    assert bool((gate_pack(x, w, b).count[[5, 7]] <= DEFAULT_LAYOUT.slots).all())  # no overflow: the guard's rows
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(inside.count, before.count)  # the same marks
+    assert int(inside.count[5, 0]) == DEFAULT_LAYOUT.slots + 1  # a guard row, marked
+    assert torch.equal(rec_inside.values, rec_before.values) and int(rec_inside.values[3]) == int(flags.sum())
+    assert not rec_inside.scratch.any()  # left zeroed for the next call
+
+
+def test_guard_bound_argument_errors_name_the_argument():
+    ffn = _on(make_ffn(8, 16, 40, gated=True))
+    packed = gate_pack(ffn.x, ffn.wg)
+    bound = torch.zeros(3, device=DEV)
+    with pytest.raises(ValueError, match="record and mark need guard_bound"):
+        sparse_ffn(ffn.x, packed, ffn.wu, ffn.wd, wg=ffn.wg, mark=True)
+    with pytest.raises(ValueError, match="pass no dense_rows"):
+        sparse_ffn(ffn.x, packed, ffn.wu, ffn.wd, dense_rows=torch.zeros(8, dtype=torch.bool, device=DEV), wg=ffn.wg,
+                   guard_bound=bound)
+    with pytest.raises(ValueError, match="guard_bound"):
+        sparse_ffn(ffn.x, packed, ffn.wu, ffn.wd, wg=ffn.wg, guard_bound=torch.zeros(2, device=DEV))
