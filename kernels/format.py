@@ -10,6 +10,10 @@ TwELL splits the H columns into tiles of ``tile_n`` columns. For each (row, tile
   as accumulated (for 16-bit inputs, not rounded to their dtype: its readers apply that dtype's
   overflow to +Inf).
 
+``idx`` and ``val`` are two tensors, or, *paired* (``empty_packed(paired=True)``, what
+``gate_pack`` writes by default), strided views of one buffer in which each slot is an 8-byte
+``(idx, val)`` pair, so that a consumer reads a slot with one load (``is_paired``).
+
 An entry is *active* when ``not (g <= 0)``: strictly positive values, and NaN, because
 ``relu(NaN)`` is NaN in PyTorch and must propagate exactly as the dense path does.
 
@@ -93,11 +97,36 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty_packed(rows: int, hidden: int, dtype: torch.dtype, device, layout: TwellLayout = DEFAULT_LAYOUT) -> TwellPacked:
-    """Allocate a TwELL buffer of fixed capacity for ``rows`` rows (contents unspecified)."""
+def empty_packed(rows: int, hidden: int, dtype: torch.dtype, device, layout: TwellLayout = DEFAULT_LAYOUT, *,
+                 paired: bool = False) -> TwellPacked:
+    """Allocate a TwELL buffer of fixed capacity for ``rows`` rows (contents unspecified).
+
+    ``paired``: ``idx`` and ``val`` are views of one ``[rows, n_tiles, slots, 2]`` int32 buffer,
+    column then value bits in each 8-byte slot (``is_paired``); float32 values only."""
     n_tiles = layout.n_tiles(hidden)
+    if paired:
+        if accumulation_dtype(dtype) != torch.float32:
+            raise ValueError(f"paired TwELL buffers hold float32 values; {dtype} inputs keep {accumulation_dtype(dtype)}")
+        pairs = torch.empty(rows, n_tiles, layout.slots, 2, dtype=torch.int32, device=device)
+        return TwellPacked(idx=pairs[..., 0], val=pairs[..., 1].view(torch.float32),
+                           count=torch.empty(rows, n_tiles, dtype=torch.int32, device=device))
     return TwellPacked(
         idx=torch.empty(rows, n_tiles, layout.slots, dtype=torch.int32, device=device),
         val=torch.empty(rows, n_tiles, layout.slots, dtype=accumulation_dtype(dtype), device=device),
         count=torch.empty(rows, n_tiles, dtype=torch.int32, device=device),
     )
+
+
+def is_paired(packed: TwellPacked) -> bool:
+    """Whether ``packed``'s ``idx`` and ``val`` are the two halves of 8-byte slots in one buffer, as
+    ``empty_packed(paired=True)`` lays them out: float32 values at 4 bytes past their int32
+    columns, slot strides of 8 bytes, 8-byte aligned."""
+    idx, val = packed.idx, packed.val
+    if val.dtype != torch.float32 or idx.dtype != torch.int32 or idx.dim() != 3 or val.shape != idx.shape:
+        return False
+    rows, n_tiles, slots = idx.shape
+    paired_strides = (2 * n_tiles * slots, 2 * slots, 2)
+    return (all(st == want for st, want, n in zip(idx.stride(), paired_strides, idx.shape) if n > 1)
+            and val.stride() == idx.stride()
+            and idx.untyped_storage().data_ptr() == val.untyped_storage().data_ptr()
+            and val.data_ptr() == idx.data_ptr() + 4 and idx.data_ptr() % 8 == 0)

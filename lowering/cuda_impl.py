@@ -379,7 +379,11 @@ def _sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
     from twell_compile.kernels.sparse_ffn import sparse_ffn
 
     gated = wg is not None
-    packed = gate_pack(x2d, wg, bg) if gated else gate_pack(x2d, wu, bu)
+    # Inference keeps the TwELL buffer inside the op and reads it as 8-byte (idx, val) slots;
+    # training returns idx and val from twell::ffn_train, whose schema has them as two contiguous
+    # tensors.
+    paired = not training
+    packed = gate_pack(x2d, wg, bg, paired=paired) if gated else gate_pack(x2d, wu, bu, paired=paired)
     if prep is None:
         prep = _WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)  # once: uncached, it is a launch
     forward_bound, _, wd_rows = prep

@@ -136,12 +136,14 @@ def variants(arch: str, full: bool):
                     types = {"x": f"tensordesc<{TY[dtype]}[{bm}, {bk}]>", "w": f"tensordesc<{TY[dtype]}[{TILE_N}, {bk}]>"}
                 # EVEN_N, EVEN_M: H = 5632 and M = 16384 fill their tiles (the benchmark shape's
                 # kernels); the other cases compile the column and row masks of shapes that do not
-                consts = dict(HAS_BIAS=True, USE_TMA=use_tma, IEEE=not sixteen, INTERPRET=False, SLOTS=SLOTS,
-                              BLOCK_N=TILE_N, GROUP_M=GP._GROUP_M, EVEN_K=D % cfg.kwargs["BLOCK_K"] == 0,
-                              EVEN_N=all_configs, EVEN_M=all_configs)
-                label = f"gate_pack {tag} tma={use_tma} {_name(cfg)}"
-                yield label, (lambda consts=consts, types=types, cfg=cfg, dtype=dtype:
-                              compile_kernel(GP._gate_pack_kernel, target, dtype, consts, types, cfg))
+                # PAIRED: slots as 8-byte pairs (the default, and inference's); training's two buffers.
+                for paired in ([True, False] if all_configs or not use_tma else [True]):
+                    consts = dict(HAS_BIAS=True, USE_TMA=use_tma, IEEE=not sixteen, INTERPRET=False, SLOTS=SLOTS,
+                                  BLOCK_N=TILE_N, GROUP_M=GP._GROUP_M, EVEN_K=D % cfg.kwargs["BLOCK_K"] == 0,
+                                  EVEN_N=all_configs, EVEN_M=all_configs, PAIRED=paired)
+                    label = f"gate_pack {tag} tma={use_tma} paired={paired} {_name(cfg)}"
+                    yield label, (lambda consts=consts, types=types, cfg=cfg, dtype=dtype:
+                                  compile_kernel(GP._gate_pack_kernel, target, dtype, consts, types, cfg))
 
         # Forward consumer and its dense rows.
         # The pair loops walk tiles by a bit set (BITS, H <= 8192) or tile by tile (larger H).
@@ -152,10 +154,12 @@ def variants(arch: str, full: bool):
         for store_up in ([True, False] if gated else [False]):
             for bits, pairs, guard in [(b, p, g) for b in walks for p in pair_reads for g in (True, False)]:
                 for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D, PAIRS=pairs)):
+                    # Inference reads paired slots (gate_pack's default); training two buffers.
                     consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, STORE_L1=store_up,
                                   STORE_WHOLE=True, SLOTS=SLOTS, NT_P2=NT_P2, BLOCK_D=D, OVF=ovf, EVEN_D=sixteen,
-                                  BITS=bits, PAIRS=pairs, GUARD=guard, MARK=guard)
-                    yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} pairs={pairs} guard={guard} {_name(cfg)}",
+                                  BITS=bits, PAIRS=pairs, GUARD=guard, MARK=guard, PAIRED=not store_up)
+                    yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} pairs={pairs} guard={guard} "
+                           f"paired={not store_up} {_name(cfg)}",
                            lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
                                SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))
         native = sixteen

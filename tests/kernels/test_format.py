@@ -29,6 +29,7 @@ from twell_compile.kernels.format import (
     accumulation_dtype,
     empty_packed,
     is_active,
+    is_paired,
 )
 from twell_compile.kernels.reference import pack_ref, unpack_ref
 
@@ -153,6 +154,27 @@ def test_accumulation_dtype_and_empty_packed(dtype, acc):
     assert packed.count.shape == (5, 3)
     assert (packed.idx.dtype, packed.val.dtype, packed.count.dtype) == (torch.int32, acc, torch.int32)
     assert packed.slots == 4
+
+
+def test_paired_buffer_is_one_allocation_of_8_byte_slots():
+    layout = TwellLayout(tile_n=32, slots=4)
+    packed = empty_packed(5, 70, torch.bfloat16, "cpu", layout, paired=True)
+    assert packed.idx.shape == packed.val.shape == (5, 3, 4)
+    assert (packed.idx.dtype, packed.val.dtype) == (torch.int32, torch.float32)
+    assert is_paired(packed)
+    packed.idx.copy_(torch.arange(60, dtype=torch.int32).view(5, 3, 4))
+    packed.val.copy_(-torch.arange(60, dtype=torch.float32).view(5, 3, 4))
+    # Slot k of the buffer is the int32 pair (idx, bits of val): what a kernel reads as one int64.
+    pairs = torch.empty(0, dtype=torch.int32).set_(packed.idx.untyped_storage(), 0, (60, 2), (2, 1))
+    assert torch.equal(pairs[:, 0], torch.arange(60, dtype=torch.int32))
+    assert torch.equal(pairs[:, 1].view(torch.float32), -torch.arange(60, dtype=torch.float32))
+    # Row slices keep the layout; copies, separate buffers and float64 values do not have it.
+    assert is_paired(packed._replace(idx=packed.idx[2:], val=packed.val[2:]))
+    assert not is_paired(packed._replace(idx=packed.idx.contiguous(), val=packed.val.contiguous()))
+    assert not is_paired(empty_packed(5, 70, torch.float32, "cpu", layout))
+    assert not is_paired(packed._replace(val=packed.val[:, :, [1, 0, 2, 3]]))
+    with pytest.raises(ValueError, match="float32 values"):
+        empty_packed(5, 70, torch.float64, "cpu", layout, paired=True)
 
 
 def test_stored_mask_and_overflow_rows_by_hand():

@@ -26,7 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tests.strategies import EDGE_H, sizes  # noqa: E402
 from twell_compile.kernels import reference as R  # noqa: E402
-from twell_compile.kernels.format import TwellLayout  # noqa: E402
+from twell_compile.kernels.format import TwellLayout, is_paired  # noqa: E402
 from twell_compile.kernels import gate_pack as GP  # noqa: E402
 from twell_compile.kernels.gate_pack import gate_pack  # noqa: E402
 
@@ -235,6 +235,18 @@ def test_other_layouts(m, h, tile_n, slots, seed):
     got = gate_pack(x, w, b, layout=layout)
     assert got.idx.shape == (m, layout.n_tiles(h), layout.slots)
     assert_packed_equal(got, R.gate_pack_ref(x, w, b, layout))
+
+
+@pytest.mark.parametrize("kind", EPILOGUES)
+def test_paired_and_separate_buffers_hold_the_same_entries(kind):
+    """``paired`` changes where the slots live, not what they hold."""
+    x, w, b = int_inputs(37, 24, 300, torch.float16, 5, bias=True)
+    with epilogue(kind):
+        paired, separate = gate_pack(x, w, b), gate_pack(x, w, b, paired=False)
+    assert is_paired(paired) and not is_paired(separate)
+    assert separate.idx.is_contiguous() and separate.val.is_contiguous()
+    assert_packed_equal(paired, separate, label=kind)
+    assert_packed_equal(paired, R.gate_pack_ref(x, w, b), label=kind)
 
 
 def test_strided_inputs():

@@ -32,7 +32,7 @@ from hypothesis import strategies as st  # noqa: E402
 from tests.strategies import ffn_configs  # noqa: E402
 from tests.utils import FFN, assert_close_verbose, make_ffn, make_ffn_with_pattern, rel_error  # noqa: E402
 from twell_compile.kernels import reference as R  # noqa: E402
-from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellLayout, TwellPacked  # noqa: E402
+from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed, is_paired  # noqa: E402
 from twell_compile.kernels.gate_pack import gate_pack  # noqa: E402
 from twell_compile.kernels.sparse_ffn import guard_rows, sparse_ffn  # noqa: E402
 
@@ -228,6 +228,37 @@ def test_capacity_edges_and_every_routing(gated, dtype):
 def test_density_extremes(density, gated):
     ffn = _on(make_ffn(17, 20, 260, density=density, gated=gated, seed=2))
     check_against_reference(ffn, routes=((None, None), (None, 0), (None, 16)))  # 16 + 1 rows
+
+
+def as_paired(packed: TwellPacked, hidden: int, layout=DEFAULT_LAYOUT) -> TwellPacked:
+    """``packed``'s contents in a paired buffer (``empty_packed(paired=True)``)."""
+    out = empty_packed(packed.count.shape[0], hidden, torch.float32, packed.count.device, layout, paired=True)
+    for dst, src in zip(out, packed):
+        dst.copy_(src)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gated", [True, False])
+def test_paired_slots_read_as_separate_buffers(gated, dtype):
+    """A paired TwELL buffer (one 8-byte load a pair) gives bitwise the output and up values of the
+    same entries in two buffers: with overflowed tiles, flagged rows, and the guard in the kernel."""
+    ffn = _on(make_ffn_with_pattern(_capacity_pattern(), gated=gated, dtype=dtype, seed=2))
+    x, wg, wu, wd, bg, bu, bd = ffn.args()
+    res = R.ffn_forward_ref(*ffn.args())
+    paired = as_paired(res.packed, wu.shape[0])
+    assert is_paired(paired) and not is_paired(res.packed)
+    for rows in (res.dense_rows, None):
+        a = _run(ffn, res.packed, rows, return_up=gated)
+        b = _run(ffn, paired, rows, return_up=gated)
+        if gated:
+            assert torch.equal(defined_up(a[1], res.packed, rows), defined_up(b[1], res.packed, rows))
+            a, b = a[0], b[0]
+        assert_close_verbose(a, b, rtol=0, atol=0)
+    bound = torch.tensor([0.0, 0.0, 1.0], device=DEV)  # the guard never flags: 0·‖x‖ + 0 < 1
+    a = sparse_ffn(x, res.packed, wu, wd, bu, bd, wg=wg, bg=bg, guard_bound=bound)
+    b = sparse_ffn(x, paired, wu, wd, bu, bd, wg=wg, bg=bg, guard_bound=bound)
+    assert_close_verbose(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bias", [True, False])
