@@ -494,7 +494,7 @@ def _dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> re
 
 class _WeightPrep:
     """The per-weight work, cached while the weights are unchanged: the guard's bounds for
-    ``dense_rows.flag_rows`` and ``Wdᵀ`` rows for the sparse kernels (which read columns of Wd as
+    ``sparse_ffn(guard_bound=...)`` and ``dense_rows.flag_rows`` and ``Wdᵀ`` rows for the sparse kernels (which read columns of Wd as
     rows), made by one launch (``weights.weight_prep``).
 
     Made again after every change of a weight (each optimizer step bumps its in-place version

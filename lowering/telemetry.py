@@ -72,8 +72,8 @@ def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tens
 
 
 def call_record(layer: int, device, sparse: bool):
-    """Where the CUDA ops' counting kernel (``flag_rows`` on the sparse path, ``dense_activation``
-    on the dense one) stores this call's calls, tokens, active entries, dense rows and path, in
+    """Where the CUDA ops' counting kernel (``dense_list`` after the pair loop on the sparse path,
+    ``dense_activation`` on the dense one) stores this call's calls, tokens, active entries, dense rows and path, in
     the launch it makes anyway: no tensor op of its own."""
     from twell_compile.kernels.dense_rows import CallRecord
 
