@@ -34,7 +34,7 @@ from tests.utils import (FFN, GRAD_NAMES, assert_close_verbose, dense_grads, gat
                          make_ffn_with_pattern, rel_error)
 from twell_compile.kernels import reference as R  # noqa: E402
 from twell_compile.kernels import sparse_ffn_bwd as K  # noqa: E402
-from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellLayout, TwellPacked  # noqa: E402
+from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed, is_paired  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -245,6 +245,21 @@ def test_tile_by_tile_walk_matches_the_bit_set_walk(gated):
     packed, up_val = _forward(ffn, layout)
     bits = _grads_bitwise_as_when("MAX_BIT_TILES", 0, ffn, dout, packed, up_val, 0.5, layout=layout)
     assert_grads_close(bits, _reference(ffn, dout, packed, up_val, 0.5), torch.float32)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_paired_slots_give_the_same_gradients(gated):
+    """The backward takes two buffers; a paired TwELL buffer (``gate_pack``'s default, what a user
+    of the kernels may pass) is made contiguous first: the same gradients, bitwise."""
+    ffn = _on(make_ffn(14, 24, 300, density=0.05, gated=gated, bias=True, skew=1.0, seed=6), DEV)
+    dout = _dout(14, 24, torch.float32, 6)
+    packed, up_val = _forward(ffn)
+    paired = empty_packed(14, 300, torch.float32, DEV, paired=True)
+    for dst, src in zip(paired, packed):
+        dst.copy_(src)
+    assert is_paired(paired)
+    for a, b in zip(_grads(ffn, dout, packed, up_val, 0.5), _grads(ffn, dout, paired, up_val, 0.5)):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("gated", [True, False])
