@@ -727,8 +727,8 @@ def sparse_ffn(
     x, wu = rowmajor(x), rowmajor(wu)
     wg = rowmajor(wg) if gated else wu  # plain: never read
     wdt = transposed(wd)  # [H, D]: column j of Wd as a contiguous row (no copy if wd = wdt.t())
-    pairs = is_paired(packed)  # read as 8-byte slots in place; other layouts as two contiguous buffers
-    idx, val = (packed.idx, packed.val) if pairs else (packed.idx.contiguous(), packed.val.contiguous())
+    slot_pairs = is_paired(packed)  # read as 8-byte slots in place; other layouts as two contiguous buffers
+    idx, val = (packed.idx, packed.val) if slot_pairs else (packed.idx.contiguous(), packed.val.contiguous())
     count = packed.count.contiguous()
     dummy = val  # stands in for absent biases; never read
     dense_rows = dense_rows.contiguous() if not guard else dummy
@@ -750,7 +750,7 @@ def sparse_ffn(
         m, d, h, n_tiles, x.stride(0), wu.stride(0), wdt.stride(0), out.stride(0),
         GATED=gated, HAS_BU=bu is not None, HAS_BD=bd is not None, STORE_UP=store_up, STORE_WHOLE=row_list is None,
         STORE_L1=l1_rows is not None, SLOTS=slots, NT_P2=nt_p2, BLOCK_D=block_d, OVF=ovf, BITS=bit_walk(nt_p2),
-        PAIRS=paired(x, wu, wdt), GUARD=guard, MARK=guard and mark, PAIRED=pairs,
+        PAIRS=paired(x, wu, wdt), GUARD=guard, MARK=guard and mark, PAIRED=slot_pairs,
     )
     if guard and record is not None:
         listed = dense_list(whole, record=record, row_counts=row_counts)
