@@ -15,7 +15,8 @@ path never synchronises the host:
 Both paths compute the same function for every input (DESIGN.md section 5): the choice costs or
 saves time, never correctness. Under CUDA-graph capture the path chosen at capture is the one
 recorded and replayed (host-side decisions cannot run inside a graph replay): sparse from
-``SPARSE_MIN_TOKENS_CAPTURED`` tokens when the layer's density was known before the capture and
+``SPARSE_MIN_TOKENS_CAPTURED`` tokens (below ``SPARSE_FULL_TOKENS_CAPTURED`` tokens only at a
+density under ``SPARSE_MAX_DENSITY_FEW_TOKENS``) when the layer's density was known before the capture and
 its problem's kernels were tuned outside it (``_WARM``). Layers compiled for CUDA graphs see to
 both on their eager warm-up call (``_prepare_capture``).
 """
@@ -57,10 +58,16 @@ SPARSE_MAX_DENSITY = {"inference": 0.0105, "training": 0.0105}
 # at D=2048, H=5632 undercuts below ~9.4k tokens (M=4096: sparse 1.40 ms, dense 0.44 ms).
 SPARSE_MIN_TOKENS = 12288
 # Inside a CUDA graph there is no host time to pay, so the sparse path beats dense from fewer
-# tokens: with every provider captured, at 8192 tokens 1.19-1.30x inference and 1.38-1.47x
-# training at 0.5% density, 1.01x / 1.12x at 0.8%; at 4096 only 1.03x / 1.23x at 0.5% (H200,
-# docs/benchmarks.md, sessions 12 and 13). Used while capturing.
-SPARSE_MIN_TOKENS_CAPTURED = 8192
+# tokens. Session 31 (H200, every provider captured, forced sparse against dense, uniform neurons;
+# docs/benchmarks.md): inference 1.12x / 1.19-1.26x at 0.5% for 3072 / 4096 tokens, 1.04x / 1.05x
+# at 0.8% and 0.93x / 0.94x at 1.05%, 1.15x / 1.02x at 8192 tokens and 0.8% / 1.05%, 0.98x at 2048
+# tokens and 0.5% (the op's dense path: 1.02x); a training step 1.65x / 1.72x at 0.5%, 1.29x / 1.35x
+# at 0.8%, 1.11x / 1.16x at 1.05% (the dense path: 1.16-1.21x). So a capture records the sparse
+# path from SPARSE_MIN_TOKENS_CAPTURED tokens, below SPARSE_MAX_DENSITY_FEW_TOKENS until
+# SPARSE_FULL_TOKENS_CAPTURED tokens and below SPARSE_MAX_DENSITY from there.
+SPARSE_MIN_TOKENS_CAPTURED = 3072
+SPARSE_FULL_TOKENS_CAPTURED = 8192
+SPARSE_MAX_DENSITY_FEW_TOKENS = 0.007
 # Above these fractions of rows computed densely (overflow, guard) the dense path is faster. On the
 # H200 at M=16384, 0.5% density (docs/benchmarks.md, session 15), each such row added ~0.7 us to
 # an inference call (1.29 -> 1.47 ms with 256 rows, 1.6%; dense 1.70) and ~2.7 us to a training
@@ -119,12 +126,24 @@ class _LayerPolicy:
         self.refresh()
         return self.measured and self.dense_row_fraction * tokens >= rows
 
-    def choose(self, training: bool, *, for_capture: bool = False) -> bool:
+    def choose(self, training: bool) -> bool:
+        """Whether the last measured call's density and dense rows favour the sparse path."""
         self.refresh()
         mode = "training" if training else "inference"
-        rows_limit = SPARSE_MAX_DENSE_ROWS_CAPTURED if for_capture else SPARSE_MAX_DENSE_ROWS[mode]
-        limit = SPARSE_MAX_DENSITY[mode]
-        return self.density < limit and self.dense_row_fraction < rows_limit
+        return self.density < SPARSE_MAX_DENSITY[mode] and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS[mode]
+
+    def choose_captured(self, training: bool, tokens: int) -> bool:
+        """The same for a call of ``tokens`` tokens that a CUDA graph records, which replays its
+        path for good: sparse from ``SPARSE_MIN_TOKENS_CAPTURED`` tokens, under a stricter limit
+        on the rows computed densely, and a lower density limit below
+        ``SPARSE_FULL_TOKENS_CAPTURED`` tokens."""
+        self.refresh()
+        if tokens < SPARSE_MIN_TOKENS_CAPTURED:
+            return False
+        limit = SPARSE_MAX_DENSITY["training" if training else "inference"]
+        if tokens < SPARSE_FULL_TOKENS_CAPTURED:
+            limit = min(limit, SPARSE_MAX_DENSITY_FEW_TOKENS)
+        return self.density < limit and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS_CAPTURED
 
     def settle(self) -> None:
         """Wait for the pending counters copy: a host sync, for CUDA-graph warm-ups only."""
@@ -235,14 +254,16 @@ def _warm(signature: tuple) -> bool:
     return ("forward", *signature) in _WARM and (not training or ("backward", *signature) in _WARM)
 
 
-def _enough_tokens(tokens: int, signature: tuple, capturing: bool) -> bool:
-    """Whether a call of ``tokens`` tokens, at a density the policy finds sparse, takes the sparse
-    path: from ``SPARSE_MIN_TOKENS`` outside capture, from ``SPARSE_MIN_TOKENS_CAPTURED`` in a
-    capture once warm. A call outside capture that a capture would send sparse goes sparse while
-    the problem is cold, once, so that its kernels are tuned before any capture."""
+def _takes_sparse(policy: "_LayerPolicy", tokens: int, signature: tuple, training: bool, capturing: bool) -> bool:
+    """Whether a call of ``tokens`` tokens takes the sparse path. In a capture: as
+    ``choose_captured`` says, once the problem is warm. Outside: as ``choose`` says, from
+    ``SPARSE_MIN_TOKENS`` tokens; and a call that a capture would send sparse goes sparse while its
+    problem is cold, once, so that its kernels are tuned before any capture."""
     if capturing:
-        return tokens >= SPARSE_MIN_TOKENS_CAPTURED and _warm(signature)
-    return tokens >= SPARSE_MIN_TOKENS or (tokens >= SPARSE_MIN_TOKENS_CAPTURED and not _warm(signature))
+        return policy.choose_captured(training, tokens) and _warm(signature)
+    if tokens >= SPARSE_MIN_TOKENS:
+        return policy.choose(training)
+    return not _warm(signature) and policy.choose_captured(training, tokens)
 
 
 def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
@@ -257,7 +278,7 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     capturing = _capturing()
     signature = _signature(x2d, wg, wu, bg, bu, bd, training)
     if FORCE_PATH is None:
-        sparse = policy.choose(training, for_capture=capturing) and _enough_tokens(x2d.shape[0], signature, capturing)
+        sparse = _takes_sparse(policy, x2d.shape[0], signature, training, capturing)
     else:
         sparse = FORCE_PATH == "sparse"
     sparse = sparse and x2d.dtype != torch.float64
@@ -303,8 +324,8 @@ def _prepare_capture(policy, x2d, wg, wu, wd, bg, bu, bd, sparse: bool, training
 
     if not policy.measured:
         policy.settle()
-    picks_sparse = policy.choose(training, for_capture=True)  # reads the counters now, while not capturing
-    if sparse or not picks_sparse or x2d.shape[0] < SPARSE_MIN_TOKENS_CAPTURED or _warm(signature):
+    picks_sparse = policy.choose_captured(training, x2d.shape[0])  # reads the counters now, while not capturing
+    if sparse or not picks_sparse or _warm(signature):
         return
     dev = x2d.device
     try:

@@ -255,26 +255,59 @@ def test_weight_prep_is_kept_until_a_weight_changes():
     assert cuda_impl._WeightPrep.get(wg, wu, rows.t(), None, bu, bd)[2].data_ptr() == rows.data_ptr()  # no copy
 
 
+def _measured_policy(density: float, dense_row_fraction: float = 0.0):
+    """A policy whose last call measured ``density`` (no pinned buffer on a CPU machine)."""
+    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
+    policy.event, policy.measured, policy.density, policy.dense_row_fraction = None, True, density, dense_row_fraction
+    return policy
+
+
 def test_token_thresholds_in_and_out_of_capture(monkeypatch):
     """Outside capture: sparse from SPARSE_MIN_TOKENS, and once from SPARSE_MIN_TOKENS_CAPTURED
-    while the problem is cold (to tune its kernels); in a capture: from SPARSE_MIN_TOKENS_CAPTURED,
-    warm problems only. A training problem is warm once both its forward and backward ran."""
+    while the problem is cold (to tune its kernels) where a capture would record it sparse; in a
+    capture: from SPARSE_MIN_TOKENS_CAPTURED, warm problems only. A training problem is warm once
+    both its forward and backward ran."""
     monkeypatch.setattr(cuda_impl, "_WARM", set())
     low, high = cuda_impl.SPARSE_MIN_TOKENS_CAPTURED, cuda_impl.SPARSE_MIN_TOKENS
+    assert low < cuda_impl.SPARSE_FULL_TOKENS_CAPTURED < high
+    policy = _measured_policy(0.001)
     x, wg, wu, wd, bg, bu, bd = _ffn()
     for training in (False, True):
         sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, training)
-        enough = lambda m, capturing: cuda_impl._enough_tokens(m, sig, capturing)  # noqa: E731
+        takes = lambda m, capturing: cuda_impl._takes_sparse(policy, m, sig, training, capturing)  # noqa: E731
         assert not cuda_impl._warm(sig)
-        assert [enough(m, False) for m in (low - 1, low, high - 1, high)] == [False, True, True, True]
-        assert [enough(m, True) for m in (low, high)] == [False, False]
+        assert [takes(m, False) for m in (low - 1, low, high - 1, high)] == [False, True, True, True]
+        assert [takes(m, True) for m in (low, high)] == [False, False]
         cuda_impl._WARM.add(("forward", *sig))
         assert cuda_impl._warm(sig) == (not training)
         cuda_impl._WARM.add(("backward", *sig))
         assert cuda_impl._warm(sig)
-        assert [enough(m, False) for m in (low - 1, low, high - 1, high)] == [False, False, False, True]
-        assert [enough(m, True) for m in (low - 1, low, high)] == [False, True, True]
+        assert [takes(m, False) for m in (low - 1, low, high - 1, high)] == [False, False, False, True]
+        assert [takes(m, True) for m in (low - 1, low, high)] == [False, True, True]
     assert cuda_impl._signature(x, None, wu, None, bu, bd, False) != cuda_impl._signature(x, wg, wu, bg, bu, bd, False)
+
+
+def test_a_capture_of_few_tokens_records_the_sparse_path_only_at_a_lower_density(monkeypatch):
+    """Below SPARSE_FULL_TOKENS_CAPTURED tokens the sparse path's fixed costs weigh more, so a
+    capture records it only under SPARSE_MAX_DENSITY_FEW_TOKENS; from there under the eager
+    density limit. A cold problem goes sparse outside capture only where a capture would."""
+    monkeypatch.setattr(cuda_impl, "_WARM", set())
+    low, full = cuda_impl.SPARSE_MIN_TOKENS_CAPTURED, cuda_impl.SPARSE_FULL_TOKENS_CAPTURED
+    few = cuda_impl.SPARSE_MAX_DENSITY_FEW_TOKENS
+    x, wg, wu, wd, bg, bu, bd = _ffn()
+    for training in (False, True):
+        limit = cuda_impl.SPARSE_MAX_DENSITY["training" if training else "inference"]
+        assert few < limit
+        sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, training)
+        between = _measured_policy((few + limit) / 2)
+        below = _measured_policy(few / 2)
+        assert [between.choose_captured(training, m) for m in (low - 1, low, full - 1, full)] == [False, False, False, True]
+        assert [below.choose_captured(training, m) for m in (low - 1, low, full - 1, full)] == [False, True, True, True]
+        assert between.choose(training) and below.choose(training)  # eager calls: the one limit
+        # cold: the tuning call goes sparse only where a capture would record it sparse
+        assert not cuda_impl._takes_sparse(between, low, sig, training, False)
+        assert cuda_impl._takes_sparse(between, full, sig, training, False)
+        assert cuda_impl._takes_sparse(below, low, sig, training, False)
 
 
 def test_a_cuda_graph_warm_up_tunes_the_sparse_kernels_only_for_a_sparse_layer(monkeypatch):
@@ -351,8 +384,8 @@ def test_a_warm_up_without_memory_for_the_sparse_kernels_only_warns(monkeypatch)
 def test_a_capture_records_the_sparse_path_only_with_few_dense_rows():
     """A graph replays its path for good, so a capture takes the sparse path under a stricter limit
     on the rows computed densely than an eager call, which the next call can revise."""
-    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
-    policy.event, policy.measured, policy.density = None, True, 0.001
+    policy = _measured_policy(0.001)
+    tokens = cuda_impl.SPARSE_FULL_TOKENS_CAPTURED
     capture_limit = cuda_impl.SPARSE_MAX_DENSE_ROWS_CAPTURED
     for training in (False, True):
         eager_limit = cuda_impl.SPARSE_MAX_DENSE_ROWS["training" if training else "inference"]
@@ -361,7 +394,7 @@ def test_a_capture_records_the_sparse_path_only_with_few_dense_rows():
                                           ((capture_limit + eager_limit) / 2, True, False), (eager_limit, False, False)):
             policy.dense_row_fraction = fraction
             assert policy.choose(training) == eager, (training, fraction)
-            assert policy.choose(training, for_capture=True) == captured, (training, fraction)
+            assert policy.choose_captured(training, tokens) == captured, (training, fraction)
 
 
 def test_dense_row_limits_stay_within_the_kernels_scratch():
