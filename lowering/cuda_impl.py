@@ -258,7 +258,11 @@ def _takes_sparse(policy: "_LayerPolicy", tokens: int, signature: tuple, trainin
     """Whether a call of ``tokens`` tokens takes the sparse path. In a capture: as
     ``choose_captured`` says, once the problem is warm. Outside: as ``choose`` says, from
     ``SPARSE_MIN_TOKENS`` tokens; and a call that a capture would send sparse goes sparse while its
-    problem is cold, once, so that its kernels are tuned before any capture."""
+    problem is cold, once, so that its kernels are tuned before any capture. Every call outside
+    capture takes in the last completed counters first, whichever test then decides: a warm
+    problem under ``SPARSE_MIN_TOKENS`` tokens asks neither, and a capture must find the layer's
+    density measured."""
+    policy.refresh()
     if capturing:
         return policy.choose_captured(training, tokens) and _warm(signature)
     if tokens >= SPARSE_MIN_TOKENS:

@@ -287,6 +287,29 @@ def test_token_thresholds_in_and_out_of_capture(monkeypatch):
     assert cuda_impl._signature(x, None, wu, None, bu, bd, False) != cuda_impl._signature(x, wg, wu, bg, bu, bd, False)
 
 
+def test_every_call_takes_in_the_counters_so_that_a_capture_knows_the_density(monkeypatch):
+    """A warm problem's eager calls under SPARSE_MIN_TOKENS tokens go dense without asking the
+    policy; they must still take in each completed counters copy, or a later capture would find the
+    layer's density unknown and record the dense path (session 31's bench at 3072-4096 tokens)."""
+    monkeypatch.setattr(cuda_impl, "_WARM", set())
+    x, wg, wu, wd, bg, bu, bd = _ffn()
+    sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, False)
+    cuda_impl._WARM.add(("forward", *sig))
+
+    class Completed:
+        def query(self):
+            return True
+
+    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
+    policy.event, policy.measured, policy._hidden = Completed(), False, wu.shape[0]
+    policy.density = policy.dense_row_fraction = 1.0
+    tokens = cuda_impl.SPARSE_MIN_TOKENS_CAPTURED
+    policy.host = torch.tensor([1.0, tokens, 0.001 * tokens * wu.shape[0], 0.0, 0.0, float("nan")], dtype=torch.float64)
+    assert not cuda_impl._takes_sparse(policy, tokens, sig, False, False)  # eager, warm, few tokens: dense
+    assert policy.measured and policy.density < cuda_impl.SPARSE_MAX_DENSITY_FEW_TOKENS
+    assert policy.choose_captured(False, tokens)
+
+
 def test_a_capture_of_few_tokens_records_the_sparse_path_only_at_a_lower_density(monkeypatch):
     """Below SPARSE_FULL_TOKENS_CAPTURED tokens the sparse path's fixed costs weigh more, so a
     capture records it only under SPARSE_MAX_DENSITY_FEW_TOKENS; from there under the eager
