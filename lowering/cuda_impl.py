@@ -258,16 +258,17 @@ def _takes_sparse(policy: "_LayerPolicy", tokens: int, signature: tuple, trainin
     """Whether a call of ``tokens`` tokens takes the sparse path. In a capture: as
     ``choose_captured`` says, once the problem is warm. Outside: as ``choose`` says, from
     ``SPARSE_MIN_TOKENS`` tokens; and a call that a capture would send sparse goes sparse while its
-    problem is cold, once, so that its kernels are tuned before any capture. Every call outside
-    capture takes in the last completed counters first, whichever test then decides: a warm
-    problem under ``SPARSE_MIN_TOKENS`` tokens asks neither, and a capture must find the layer's
-    density measured."""
-    policy.refresh()
+    problem is cold, once, so that its kernels are tuned before any capture."""
     if capturing:
         return policy.choose_captured(training, tokens) and _warm(signature)
     if tokens >= SPARSE_MIN_TOKENS:
         return policy.choose(training)
-    return not _warm(signature) and policy.choose_captured(training, tokens)
+    if _warm(signature):
+        # Dense by its token count alone, but the layer's counters are still taken in: a later
+        # capture, which cannot read them, must find its density measured.
+        policy.refresh()
+        return False
+    return policy.choose_captured(training, tokens)
 
 
 def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
