@@ -396,8 +396,7 @@ def test_a_warm_up_without_memory_for_the_sparse_kernels_only_warns(monkeypatch)
 
     monkeypatch.setattr(cuda_impl, "_sparse_forward", out_of_memory)
     x, wg, wu, wd, bg, bu, bd = _ffn(dtype=torch.float32)
-    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
-    policy.event, policy.measured, policy.density, policy.dense_row_fraction = None, True, 0.001, 0.0
+    policy = _measured_policy(0.001)
     sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, True)
     with pytest.warns(RuntimeWarning, match=f"layer {layer}.*dense path"):
         cuda_impl._prepare_capture(policy, x, wg, wu, wd, bg, bu, bd, False, True, sig, layer)
@@ -427,8 +426,7 @@ def test_dense_row_limits_stay_within_the_kernels_scratch():
 
     limits = cuda_impl.SPARSE_MAX_DENSE_ROWS
     assert limits["training"] < limits["inference"] <= DENSE_ROW_FRACTION_MAX
-    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
-    policy.event, policy.measured, policy.density = None, True, 0.001
+    policy = _measured_policy(0.001)
     policy.dense_row_fraction = (limits["training"] + limits["inference"]) / 2
     assert policy.choose(False) and not policy.choose(True)
 
