@@ -1,0 +1,198 @@
+"""Session 32's probe (not part of the package): a warp-specialized ping-pong GEMM in Gluon.
+
+Question: can Triton 3.6 on the H200 run a GEMM whose epilogue hides under the MMAs, which
+``gate_pack``'s TwELL epilogue cannot (docs/benchmarks.md, "Session 32")? The kernel computes
+``relu(x @ Wᵀ)`` in bf16 with explicit warp specialization (``gl.warp_specialize``):
+
+* the default partition (4 warps, one thread issuing) loads x and W tiles by TMA into a ring of
+  ``STAGES`` shared-memory slots, with a ``ready`` and an ``empty`` mbarrier per slot;
+* two 4-warp consumer partitions take this program's tiles in turn (even and odd), each one
+  warpgroup of ``wgmma`` on a 128x128 fp32 accumulator, so one's epilogue runs while the other
+  multiplies (``single_kernel``: one consumer takes every tile, for comparison);
+* the consumers also take turns on the main loop (``turn`` barriers). Without them a consumer
+  could wait on a slot two fills ahead of the one it needs, whose phase parity is the same, and
+  read it early: the first version faulted ("unspecified launch failure") under load, and ran
+  clean under compute-sanitizer, which serialises it.
+
+Gluon 3.6 constraints met on the way: a worker partition's arguments must be IR values (no
+constexprs, no Python ints: sizes come from the buffers' types), and a function that builds a
+distributed-layout tensor (``gl.zeros``) has no warp count inside a worker partition (``gl.full``
+does). Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``.
+"""
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+GROUP = gl.constexpr(8)  # row-blocks per group of the tile order, as gate_pack
+
+
+@gluon.jit
+def _tile_coords(t, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (t // per_group) * GROUP_M
+    group_m = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % group_m
+    pid_n = (t % per_group) // group_m
+    return pid_m * BM, pid_n * BN
+
+
+@gluon.jit
+def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI, PARITY):
+    # constexprs do not cross into worker partitions: sizes come from the buffers' types
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    GROUP_M: gl.constexpr = GROUP
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_tiles = gl.cdiv(M, BM) * gl.cdiv(N, BN)
+    ksteps = gl.cdiv(K, BK)
+    n = 0
+    for t in range(pid, num_tiles, nprog):
+        if (PARITY < 0) | (n % 2 == PARITY):  # PARITY -1: every tile (one consumer)
+            off_m, off_n = _tile_coords(t, M, N, BM, BN, GROUP_M)
+            acc = gl.full((BM, BN), 0.0, gl.float32, layout=mma_layout)  # gl.zeros, a jit function, has no warp count inside a partition
+            # The consumers take turns on the main loop (A's j-th, B's j-th, A's j+1-th, ...): a
+            # consumer that ran ahead would wait on a slot two fills behind, whose phase parity aliases.
+            j = n // 2
+            if PARITY == 0:
+                mbarrier.wait(turn.index(1), (j + 1) & 1, pred=j > 0)
+            elif PARITY == 1:
+                mbarrier.wait(turn.index(0), j & 1)
+            base = n * ksteps
+            for kk in range(ksteps):
+                s = base + kk
+                slot = s % STAGES
+                mbarrier.wait(ready.index(slot), (s // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                prev = (s + STAGES - 1) % STAGES
+                mbarrier.arrive(empty.index(prev), pred=kk > 0)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((base + ksteps - 1) % STAGES))
+            if PARITY >= 0:
+                mbarrier.arrive(turn.index(PARITY))
+            rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+            cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
+            out = gl.maximum(acc, 0.0).to(gl.bfloat16)
+            ptrs = c_ptr + rows[:, None] * N + cols[None, :]
+            if EPI == 2:  # each row's count of positive entries, to the tile's first column
+                cnt = gl.sum((acc > 0.0).to(gl.int32), axis=1).to(gl.bfloat16)
+                gl.store(c_ptr + rows * N + off_n, cnt, mask=rows < M)
+            else:  # EPI == 0: only the tile's first column (the MMAs must still run)
+                keep = (cols[None, :] < N) & ((EPI != 0) | (cols[None, :] == off_n))
+                gl.store(ptrs, out, mask=(rows[:, None] < M) & keep)
+        n += 1
+
+
+@gluon.jit
+def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI, PARITY):
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    GROUP_M: gl.constexpr = GROUP
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_tiles = gl.cdiv(M, BM) * gl.cdiv(N, BN)
+    ksteps = gl.cdiv(K, BK)
+    n = 0
+    for t in range(pid, num_tiles, nprog):
+        off_m, off_n = _tile_coords(t, M, N, BM, BN, GROUP_M)
+        base = n * ksteps
+        for kk in range(ksteps):
+            s = base + kk
+            slot = s % STAGES
+            mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], bar, b_bufs.index(slot))
+        n += 1
+
+
+@gluon.jit
+def pingpong_kernel(a_desc, b_desc, c_ptr, M, N, K, EPI, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI)
+    zero = M - M  # a partition's arguments must be IR values, not Python ints
+    gl.warp_specialize([
+        (_load, args + (zero, )),  # the default partition: its 4 warps issue the TMA loads
+        (_consume, args + (zero, )),
+        (_consume, args + (zero + 1, )),
+    ], [4, 4], [232, 232])
+
+
+@gluon.jit
+def single_kernel(a_desc, b_desc, c_ptr, M, N, K, EPI, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI)
+    zero = M - M
+    gl.warp_specialize([(_load, args + (zero, )), (_consume, args + (zero - 1, ))], [4], [232])
+
+
+def pingpong(x, w, out, epi=True, BM=128, BN=128, BK=64, STAGES=6, maxnreg=168, kernel=None):
+    M, K = x.shape
+    N = w.shape[0]
+    a_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+    a_desc = TensorDescriptor.from_tensor(x, [BM, BK], a_layout)
+    b_desc = TensorDescriptor.from_tensor(w, [BN, BK], b_layout)
+    grid = (torch.cuda.get_device_properties(x.device).multi_processor_count, )
+    kernel = kernel or pingpong_kernel
+    return kernel[grid](a_desc, b_desc, out, M, N, K, int(epi), STAGES, num_warps=4, maxnreg=maxnreg)
+
+
+def main() -> None:
+    from triton.testing import do_bench
+
+    from twell_compile.bench import make_problem
+    from twell_compile.kernels.gate_pack import gate_pack
+
+    m, k, n = 16384, 2048, 5632
+    x, wg, _, _ = make_problem(m, k, n, 0.005, skewed=False)  # the bench's 0.5% problem
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    for kernel in (pingpong_kernel, single_kernel):
+        pingpong(x, wg, out, kernel=kernel, maxnreg=168 if kernel is pingpong_kernel else 256)
+        err = (out.float() - torch.relu(x @ wg.T).float()).abs().max().item()
+        print(f"{kernel.__name__}: max |out - relu(x Wᵀ)| = {err:.3e}", flush=True)
+    cases = {
+        "cuBLAS x Wᵀ": lambda: x @ wg.T,
+        "gate_pack (TwELL epilogue)": lambda: gate_pack(x, wg, None, paired=True),
+        "ping-pong, row counts": lambda: pingpong(x, wg, out, epi=2),
+        "ping-pong, relu + bf16 store": lambda: pingpong(x, wg, out, epi=1),
+        "one consumer, row counts": lambda: pingpong(x, wg, out, epi=2, kernel=single_kernel, maxnreg=256),
+    }
+    for r in range(3):
+        print(f"round {r}, ms: " + "  ".join(f"{name} {do_bench(f, warmup=25, rep=200):.4f}" for name, f in cases.items()),
+              flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
