@@ -8,7 +8,7 @@ Question: can Triton 3.6 on the H200 run a GEMM whose epilogue hides under the M
   ``STAGES`` shared-memory slots, with a ``ready`` and an ``empty`` mbarrier per slot;
 * two 4-warp consumer partitions take this program's tiles in turn (even and odd), each one
   warpgroup of ``wgmma`` on a 128x128 fp32 accumulator, so one's epilogue runs while the other
-  multiplies (``single_kernel``: one consumer takes every tile, for comparison);
+  multiplies (``consumers=1``: one consumer takes every tile, for comparison);
 * the consumers also take turns on the main loop (``turn`` barriers). Without them a consumer
   could wait on a slot two fills ahead of the one it needs, whose phase parity is the same, and
   read it early: the first version faulted ("unspecified launch failure") under load, and ran
@@ -17,7 +17,9 @@ Question: can Triton 3.6 on the H200 run a GEMM whose epilogue hides under the M
 Gluon 3.6 constraints met on the way: a worker partition's arguments must be IR values (no
 constexprs, no Python ints: sizes come from the buffers' types), and a function that builds a
 distributed-layout tensor (``gl.zeros``) has no warp count inside a worker partition (``gl.full``
-does). Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``.
+does). Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``. (The runs of
+session 32 used two kernels, one per consumer count; they are merged here under ``CONSUMERS``,
+with the same partitions, shared memory and warps, checked by compiling for sm90 on the CPU.)
 """
 import sys
 
@@ -43,22 +45,24 @@ def _tile_coords(t, M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.conste
 
 
 @gluon.jit
+def _schedule(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """This program's first tile, the tile stride, the tiles and the K steps of a tile."""
+    return gl.program_id(0), gl.num_programs(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.cdiv(K, BK)
+
+
+@gluon.jit
 def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI, PARITY):
     # constexprs do not cross into worker partitions: sizes come from the buffers' types
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    GROUP_M: gl.constexpr = GROUP
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    num_tiles = gl.cdiv(M, BM) * gl.cdiv(N, BN)
-    ksteps = gl.cdiv(K, BK)
+    pid, nprog, num_tiles, ksteps = _schedule(M, N, K, BM, BN, BK)
     n = 0
     for t in range(pid, num_tiles, nprog):
         if (PARITY < 0) | (n % 2 == PARITY):  # PARITY -1: every tile (one consumer)
-            off_m, off_n = _tile_coords(t, M, N, BM, BN, GROUP_M)
+            off_m, off_n = _tile_coords(t, M, N, BM, BN, GROUP)
             acc = gl.full((BM, BN), 0.0, gl.float32, layout=mma_layout)  # gl.zeros, a jit function, has no warp count inside a partition
             # The consumers take turns on the main loop (A's j-th, B's j-th, A's j+1-th, ...): a
             # consumer that ran ahead would wait on a slot two fills behind, whose phase parity aliases.
@@ -99,14 +103,10 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EP
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[1]
-    GROUP_M: gl.constexpr = GROUP
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    num_tiles = gl.cdiv(M, BM) * gl.cdiv(N, BN)
-    ksteps = gl.cdiv(K, BK)
+    pid, nprog, num_tiles, ksteps = _schedule(M, N, K, BM, BN, BK)
     n = 0
     for t in range(pid, num_tiles, nprog):
-        off_m, off_n = _tile_coords(t, M, N, BM, BN, GROUP_M)
+        off_m, off_n = _tile_coords(t, M, N, BM, BN, GROUP)
         base = n * ksteps
         for kk in range(ksteps):
             s = base + kk
@@ -120,7 +120,8 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EP
 
 
 @gluon.jit
-def pingpong_kernel(a_desc, b_desc, c_ptr, M, N, K, EPI, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def gemm_kernel(a_desc, b_desc, c_ptr, M, N, K, EPI, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                num_warps: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -133,31 +134,19 @@ def pingpong_kernel(a_desc, b_desc, c_ptr, M, N, K, EPI, STAGES: gl.constexpr, n
         mbarrier.init(turn.index(i), count=1)
     args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI)
     zero = M - M  # a partition's arguments must be IR values, not Python ints
-    gl.warp_specialize([
-        (_load, args + (zero, )),  # the default partition: its 4 warps issue the TMA loads
-        (_consume, args + (zero, )),
-        (_consume, args + (zero + 1, )),
-    ], [4, 4], [232, 232])
+    if CONSUMERS == 2:  # ping-pong: even and odd tiles
+        gl.warp_specialize([
+            (_load, args + (zero, )),  # the default partition: its 4 warps issue the TMA loads
+            (_consume, args + (zero, )),
+            (_consume, args + (zero + 1, )),
+        ], [4, 4], [232, 232])
+    else:  # one consumer takes every tile (PARITY -1)
+        gl.warp_specialize([(_load, args + (zero, )), (_consume, args + (zero - 1, ))], [4], [232])
 
 
-@gluon.jit
-def single_kernel(a_desc, b_desc, c_ptr, M, N, K, EPI, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI)
-    zero = M - M
-    gl.warp_specialize([(_load, args + (zero, )), (_consume, args + (zero - 1, ))], [4], [232])
-
-
-def pingpong(x, w, out, epi=True, BM=128, BN=128, BK=64, STAGES=6, maxnreg=168, kernel=None):
+def pingpong(x, w, out, epi=1, BM=128, BN=128, BK=64, STAGES=6, consumers=2):
+    """``out = relu(x wᵀ)`` (``epi=1``; 2: each row's count of positives in its tile's first column,
+    0: that column only). Registers: 168 a thread at launch for 12 warps (two consumers), 256 for 8."""
     M, K = x.shape
     N = w.shape[0]
     a_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
@@ -165,8 +154,8 @@ def pingpong(x, w, out, epi=True, BM=128, BN=128, BK=64, STAGES=6, maxnreg=168, 
     a_desc = TensorDescriptor.from_tensor(x, [BM, BK], a_layout)
     b_desc = TensorDescriptor.from_tensor(w, [BN, BK], b_layout)
     grid = (torch.cuda.get_device_properties(x.device).multi_processor_count, )
-    kernel = kernel or pingpong_kernel
-    return kernel[grid](a_desc, b_desc, out, M, N, K, int(epi), STAGES, num_warps=4, maxnreg=maxnreg)
+    return gemm_kernel[grid](a_desc, b_desc, out, M, N, K, int(epi), STAGES, consumers, num_warps=4,
+                             maxnreg=168 if consumers == 2 else 256)
 
 
 def main() -> None:
@@ -178,16 +167,16 @@ def main() -> None:
     m, k, n = 16384, 2048, 5632
     x, wg, _, _ = make_problem(m, k, n, 0.005, skewed=False)  # the bench's 0.5% problem
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    for kernel in (pingpong_kernel, single_kernel):
-        pingpong(x, wg, out, kernel=kernel, maxnreg=168 if kernel is pingpong_kernel else 256)
+    for consumers in (2, 1):
+        pingpong(x, wg, out, consumers=consumers)
         err = (out.float() - torch.relu(x @ wg.T).float()).abs().max().item()
-        print(f"{kernel.__name__}: max |out - relu(x Wᵀ)| = {err:.3e}", flush=True)
+        print(f"{consumers} consumer(s): max |out - relu(x Wᵀ)| = {err:.3e}", flush=True)
     cases = {
         "cuBLAS x Wᵀ": lambda: x @ wg.T,
         "gate_pack (TwELL epilogue)": lambda: gate_pack(x, wg, None, paired=True),
         "ping-pong, row counts": lambda: pingpong(x, wg, out, epi=2),
         "ping-pong, relu + bf16 store": lambda: pingpong(x, wg, out, epi=1),
-        "one consumer, row counts": lambda: pingpong(x, wg, out, epi=2, kernel=single_kernel, maxnreg=256),
+        "one consumer, row counts": lambda: pingpong(x, wg, out, epi=2, consumers=1),
     }
     for r in range(3):
         print(f"round {r}, ms: " + "  ".join(f"{name} {do_bench(f, warmup=25, rep=200):.4f}" for name, f in cases.items()),
