@@ -17,9 +17,9 @@ Question: can Triton 3.6 on the H200 run a GEMM whose epilogue hides under the M
 Gluon 3.6 constraints met on the way: a worker partition's arguments must be IR values (no
 constexprs, no Python ints: sizes come from the buffers' types), and a function that builds a
 distributed-layout tensor (``gl.zeros``) has no warp count inside a worker partition (``gl.full``
-does). Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``. (The runs of
-session 32 used two kernels, one per consumer count; they are merged here under ``CONSUMERS``,
-with the same partitions, shared memory and warps, checked by compiling for sm90 on the CPU.)
+does). Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``. Session 32's runs 4–7
+used two kernels, one per consumer count; they are merged here under ``CONSUMERS`` (run 8 ran
+this file). Its numbers, and how noisy they are: docs/benchmarks.md, "Session 32".
 """
 import sys
 
