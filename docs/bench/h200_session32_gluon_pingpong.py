@@ -20,6 +20,10 @@ distributed-layout tensor (``gl.zeros``) has no warp count inside a worker parti
 does). Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``. Session 32's runs 4–7
 used two kernels, one per consumer count; they are merged here under ``CONSUMERS`` (run 8 ran
 this file). Its numbers, and how noisy they are: docs/benchmarks.md, "Session 32".
+
+``epi=3`` packs TwELL as ``gate_pack`` does (bit ranks, paired slots), and ``main`` checks it
+against ``gate_pack`` and times it. It was written after the session's last GPU run: it compiles
+for sm90 on the CPU (no spill beyond the other epilogues' stack), and has **not yet run on a GPU**.
 """
 import sys
 
@@ -30,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 GROUP = gl.constexpr(8)  # row-blocks per group of the tile order, as gate_pack
+SLOTS = gl.constexpr(16)  # TwELL slots per 128-column tile (format.DEFAULT_LAYOUT)
 
 
 @gluon.jit
@@ -51,7 +56,7 @@ def _schedule(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
-def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI, PARITY):
+def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, PARITY):
     # constexprs do not cross into worker partitions: sizes come from the buffers' types
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
@@ -88,7 +93,52 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K,
             cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
             out = gl.maximum(acc, 0.0).to(gl.bfloat16)
             ptrs = c_ptr + rows[:, None] * N + cols[None, :]
-            if EPI == 2:  # each row's count of positive entries, to the tile's first column
+            if EPI == 3:
+                # TwELL, as gate_pack's bit-rank epilogue (kernels/gate_pack.py: _bit_ranks,
+                # _store_slot_pairs), written inline: a jit helper that builds a tensor has no
+                # warp count inside a worker partition.
+                col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
+                c = gl.arange(0, BN, layout=col_l)
+                lane = (c % 32).to(gl.uint32)
+                active = ((acc <= 0.0) == 0) & (cols[None, :] < N)  # not (pre <= 0): NaN is active
+                bits = active.to(gl.uint32) << lane[None, :]
+                word_b = gl.full((BM, BN), 0, gl.uint32, layout=mma_layout)
+                before_b = gl.full((BM, BN), 0, gl.int32, layout=mma_layout)
+                count = gl.full((BM, ), 0, gl.int32, layout=gl.SliceLayout(1, mma_layout))
+                for wi in gl.static_range(BN // 32):
+                    in_word = (c // 32 == wi)[None, :]
+                    word = gl.sum(gl.where(in_word, bits, 0), axis=1)  # distinct bits: their sum is their or
+                    word_b = gl.where(in_word, word[:, None], word_b)
+                    before_b = gl.where(in_word, count[:, None], before_b)
+                    count += gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [word.to(gl.int32, bitcast=True)],
+                                                       dtype=gl.int32, is_pure=True, pack=1)
+                below = (gl.full((BN, ), 1, gl.uint32, layout=col_l) << lane) - 1
+                rank = before_b + gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r",
+                                                            [(word_b & below[None, :]).to(gl.int32, bitcast=True)],
+                                                            dtype=gl.int32, is_pure=True, pack=1)
+                keep = active & (rank < SLOTS) & (rows[:, None] < M)
+                n_tiles = gl.cdiv(N, BN)
+                tile = off_n // BN
+                rows64 = rows.to(gl.int64)
+                pair_row = (pk_ptr + 2 * (rows64 * (n_tiles * SLOTS) + tile * SLOTS)).to(gl.int64, bitcast=True)
+                col = cols[None, :] + rank * 0
+                gl.inline_asm_elementwise(
+                    """{
+                    .reg .pred p;
+                    .reg .s64 a;
+                    setp.ne.s32 p, $5, 0;
+                    mul.wide.s32 a, $2, 8;
+                    add.s64 a, a, $1;
+                    @p st.global.b32 [a], $3;
+                    @p st.global.b32 [a+4], $4;
+                    mov.b32 $0, 0;
+                    }""",
+                    "=r,l,r,r,r,r",
+                    [pair_row[:, None] + rank.to(gl.int64) * 0, rank, col, acc.to(gl.int32, bitcast=True),
+                     keep.to(gl.int32)],
+                    dtype=gl.int32, is_pure=False, pack=1)
+                gl.store(cnt_ptr + rows64 * n_tiles + tile, count, mask=rows < M)
+            elif EPI == 2:  # each row's count of positive entries, to the tile's first column
                 cnt = gl.sum((acc > 0.0).to(gl.int32), axis=1).to(gl.bfloat16)
                 gl.store(c_ptr + rows * N + off_n, cnt, mask=rows < M)
             else:  # EPI == 0: only the tile's first column (the MMAs must still run)
@@ -98,7 +148,7 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K,
 
 
 @gluon.jit
-def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI, PARITY):
+def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, PARITY):
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -120,7 +170,7 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EP
 
 
 @gluon.jit
-def gemm_kernel(a_desc, b_desc, c_ptr, M, N, K, EPI, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+def gemm_kernel(a_desc, b_desc, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                 num_warps: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -132,7 +182,7 @@ def gemm_kernel(a_desc, b_desc, c_ptr, M, N, K, EPI, STAGES: gl.constexpr, CONSU
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, M, N, K, EPI)
+    args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI)
     zero = M - M  # a partition's arguments must be IR values, not Python ints
     if CONSUMERS == 2:  # ping-pong: even and odd tiles
         gl.warp_specialize([
@@ -144,9 +194,12 @@ def gemm_kernel(a_desc, b_desc, c_ptr, M, N, K, EPI, STAGES: gl.constexpr, CONSU
         gl.warp_specialize([(_load, args + (zero, )), (_consume, args + (zero - 1, ))], [4], [232])
 
 
-def pingpong(x, w, out, epi=1, BM=128, BN=128, BK=64, STAGES=6, consumers=2):
+def pingpong(x, w, out, epi=1, BM=128, BN=128, BK=64, STAGES=6, consumers=2, packed=None):
     """``out = relu(x wᵀ)`` (``epi=1``; 2: each row's count of positives in its tile's first column,
-    0: that column only). Registers: 168 a thread at launch for 12 warps (two consumers), 256 for 8."""
+    0: that column only; 3: TwELL into ``packed = (pairs, counts)``, the buffers of
+    ``format.empty_packed(paired=True)``). Registers: 168 a thread at launch for 12 warps (two
+    consumers), 256 for 8."""
+    pairs, counts = packed if packed is not None else (out, out)
     M, K = x.shape
     N = w.shape[0]
     a_layout = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
@@ -154,7 +207,7 @@ def pingpong(x, w, out, epi=1, BM=128, BN=128, BK=64, STAGES=6, consumers=2):
     a_desc = TensorDescriptor.from_tensor(x, [BM, BK], a_layout)
     b_desc = TensorDescriptor.from_tensor(w, [BN, BK], b_layout)
     grid = (torch.cuda.get_device_properties(x.device).multi_processor_count, )
-    return gemm_kernel[grid](a_desc, b_desc, out, M, N, K, int(epi), STAGES, consumers, num_warps=4,
+    return gemm_kernel[grid](a_desc, b_desc, out, pairs, counts, M, N, K, int(epi), STAGES, consumers, num_warps=4,
                              maxnreg=168 if consumers == 2 else 256)
 
 
@@ -171,8 +224,23 @@ def main() -> None:
         pingpong(x, wg, out, consumers=consumers)
         err = (out.float() - torch.relu(x @ wg.T).float()).abs().max().item()
         print(f"{consumers} consumer(s): max |out - relu(x Wᵀ)| = {err:.3e}", flush=True)
+    # TwELL (epi=3) against gate_pack's: counts, and every stored slot's column and value
+    pairs = torch.zeros(m, n // 128, 16, 2, dtype=torch.int32, device="cuda")
+    counts = torch.zeros(m, n // 128, dtype=torch.int32, device="cuda")
+    ref = gate_pack(x, wg, None, paired=True)
+    stored = torch.arange(16, device="cuda") < ref.count.clamp(max=16)[..., None]
+    for consumers in (2, 1):
+        pairs.zero_()
+        counts.zero_()
+        pingpong(x, wg, out, epi=3, consumers=consumers, packed=(pairs, counts))
+        val_diff = (pairs[..., 1].view(torch.float32)[stored] - ref.val[stored]).abs().max().item()
+        print(f"{consumers} consumer(s), TwELL: counts equal {torch.equal(counts, ref.count)}, columns equal "
+              f"{torch.equal(pairs[..., 0][stored], ref.idx[stored])}, max |value - gate_pack's| {val_diff:.3e}, "
+              f"stored pairs {int(stored.sum())}", flush=True)
     cases = {
         "cuBLAS x Wᵀ": lambda: x @ wg.T,
+        "ping-pong, TwELL epilogue": lambda: pingpong(x, wg, out, epi=3, packed=(pairs, counts)),
+        "one consumer, TwELL epilogue": lambda: pingpong(x, wg, out, epi=3, consumers=1, packed=(pairs, counts)),
         "gate_pack (TwELL epilogue)": lambda: gate_pack(x, wg, None, paired=True),
         "ping-pong, row counts": lambda: pingpong(x, wg, out, epi=2),
         "ping-pong, relu + bf16 store": lambda: pingpong(x, wg, out, epi=1),
