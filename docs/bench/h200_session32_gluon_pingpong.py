@@ -21,9 +21,16 @@ does). Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``. S
 used two kernels, one per consumer count; they are merged here under ``CONSUMERS`` (run 8 ran
 this file). Its numbers, and how noisy they are: docs/benchmarks.md, "Session 32".
 
-``epi=3`` packs TwELL as ``gate_pack`` does (bit ranks, paired slots), and ``main`` checks it
-against ``gate_pack`` and times it. It was written after the session's last GPU run: it compiles
-for sm90 on the CPU (no spill beyond the other epilogues' stack), and has **not yet run on a GPU**.
+Written after the session's last GPU run, compiled for sm90 on the CPU and **not yet run on a
+GPU** (run it under ``timeout``):
+
+* ``epi=3`` packs TwELL as ``gate_pack`` does (bit ranks, paired slots); ``main`` checks it
+  against ``gate_pack`` and times it;
+* ``rings=2``: one ring of ``STAGES // 2`` slots per consumer and no turns. The TTGIR of the
+  kernels above shows why: inside a partition, Triton 3.6 follows each asynchronous ``wgmma``
+  with a wait for it (``warp_group_dot_wait {pendings = 0}``, ahead of the ``pendings = 1`` asked
+  for), so a consumer's K steps do not overlap, and with turns only one consumer is in its main
+  loop: the tensor cores idle between steps. With a ring each, both consumers can multiply at once.
 """
 import sys
 
@@ -56,7 +63,17 @@ def _schedule(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
-def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, PARITY):
+def _slot(n, kk, ksteps, RINGS, STAGES: gl.constexpr):
+    """Ring slot and mbarrier phase of K step ``kk`` of this program's ``n``-th tile. One ring
+    (RINGS 1): the tiles' steps in order over all ``STAGES`` slots. Two rings (RINGS 2, two
+    consumers): tile ``n`` in ring ``n % 2``, ``STAGES // 2`` slots each."""
+    per_ring = STAGES // RINGS
+    step = (n // RINGS) * ksteps + kk
+    return (n % RINGS) * per_ring + step % per_ring, (step // per_ring) & 1
+
+
+@gluon.jit
+def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, RINGS, PARITY):
     # constexprs do not cross into worker partitions: sizes come from the buffers' types
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
@@ -71,23 +88,23 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, 
             acc = gl.full((BM, BN), 0.0, gl.float32, layout=mma_layout)  # gl.zeros, a jit function, has no warp count inside a partition
             # The consumers take turns on the main loop (A's j-th, B's j-th, A's j+1-th, ...): a
             # consumer that ran ahead would wait on a slot two fills behind, whose phase parity aliases.
+            # (With one ring per consumer, RINGS == 2, no slot is shared and no turn is needed.)
             j = n // 2
-            if PARITY == 0:
+            if (PARITY == 0) & (RINGS == 1):
                 mbarrier.wait(turn.index(1), (j + 1) & 1, pred=j > 0)
-            elif PARITY == 1:
+            elif (PARITY == 1) & (RINGS == 1):
                 mbarrier.wait(turn.index(0), j & 1)
-            base = n * ksteps
             for kk in range(ksteps):
-                s = base + kk
-                slot = s % STAGES
-                mbarrier.wait(ready.index(slot), (s // STAGES) & 1)
+                slot, phase = _slot(n, kk, ksteps, RINGS, STAGES)
+                mbarrier.wait(ready.index(slot), phase)
                 acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                prev = (s + STAGES - 1) % STAGES
+                prev, _ = _slot(n, kk - 1, ksteps, RINGS, STAGES)
                 mbarrier.arrive(empty.index(prev), pred=kk > 0)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index((base + ksteps - 1) % STAGES))
-            if PARITY >= 0:
+            last, _ = _slot(n, ksteps - 1, ksteps, RINGS, STAGES)
+            mbarrier.arrive(empty.index(last))
+            if (PARITY >= 0) & (RINGS == 1):
                 mbarrier.arrive(turn.index(PARITY))
             rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
             cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
@@ -148,7 +165,7 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, 
 
 
 @gluon.jit
-def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, PARITY):
+def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, RINGS, PARITY):
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -157,11 +174,9 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt
     n = 0
     for t in range(pid, num_tiles, nprog):
         off_m, off_n = _tile_coords(t, M, N, BM, BN, GROUP)
-        base = n * ksteps
         for kk in range(ksteps):
-            s = base + kk
-            slot = s % STAGES
-            mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)
+            slot, phase = _slot(n, kk, ksteps, RINGS, STAGES)
+            mbarrier.wait(empty.index(slot), phase ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], bar, a_bufs.index(slot))
@@ -170,7 +185,7 @@ def _load(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt
 
 
 @gluon.jit
-def gemm_kernel(a_desc, b_desc, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+def gemm_kernel(a_desc, b_desc, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, RINGS, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                 num_warps: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -182,7 +197,7 @@ def gemm_kernel(a_desc, b_desc, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, STAGES: gl
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI)
+    args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, RINGS)
     zero = M - M  # a partition's arguments must be IR values, not Python ints
     if CONSUMERS == 2:  # ping-pong: even and odd tiles
         gl.warp_specialize([
@@ -194,7 +209,7 @@ def gemm_kernel(a_desc, b_desc, c_ptr, pk_ptr, cnt_ptr, M, N, K, EPI, STAGES: gl
         gl.warp_specialize([(_load, args + (zero, )), (_consume, args + (zero - 1, ))], [4], [232])
 
 
-def pingpong(x, w, out, epi=1, BM=128, BN=128, BK=64, STAGES=6, consumers=2, packed=None):
+def pingpong(x, w, out, epi=1, BM=128, BN=128, BK=64, STAGES=6, consumers=2, packed=None, rings=1):
     """``out = relu(x wᵀ)`` (``epi=1``; 2: each row's count of positives in its tile's first column,
     0: that column only; 3: TwELL into ``packed = (pairs, counts)``, the buffers of
     ``format.empty_packed(paired=True)``). Registers: 168 a thread at launch for 12 warps (two
@@ -207,7 +222,7 @@ def pingpong(x, w, out, epi=1, BM=128, BN=128, BK=64, STAGES=6, consumers=2, pac
     a_desc = TensorDescriptor.from_tensor(x, [BM, BK], a_layout)
     b_desc = TensorDescriptor.from_tensor(w, [BN, BK], b_layout)
     grid = (torch.cuda.get_device_properties(x.device).multi_processor_count, )
-    return gemm_kernel[grid](a_desc, b_desc, out, pairs, counts, M, N, K, int(epi), STAGES, consumers, num_warps=4,
+    return gemm_kernel[grid](a_desc, b_desc, out, pairs, counts, M, N, K, int(epi), rings, STAGES, consumers, num_warps=4,
                              maxnreg=168 if consumers == 2 else 256)
 
 
@@ -220,27 +235,31 @@ def main() -> None:
     m, k, n = 16384, 2048, 5632
     x, wg, _, _ = make_problem(m, k, n, 0.005, skewed=False)  # the bench's 0.5% problem
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    for consumers in (2, 1):
-        pingpong(x, wg, out, consumers=consumers)
+    variants = {"ping-pong": {}, "one consumer": {"consumers": 1}, "two rings": {"rings": 2}}
+    for name, kw in variants.items():
+        out.zero_()
+        pingpong(x, wg, out, **kw)
         err = (out.float() - torch.relu(x @ wg.T).float()).abs().max().item()
-        print(f"{consumers} consumer(s): max |out - relu(x Wᵀ)| = {err:.3e}", flush=True)
+        print(f"{name}: max |out - relu(x Wᵀ)| = {err:.3e}", flush=True)
     # TwELL (epi=3) against gate_pack's: counts, and every stored slot's column and value
     pairs = torch.zeros(m, n // 128, 16, 2, dtype=torch.int32, device="cuda")
     counts = torch.zeros(m, n // 128, dtype=torch.int32, device="cuda")
     ref = gate_pack(x, wg, None, paired=True)
     stored = torch.arange(16, device="cuda") < ref.count.clamp(max=16)[..., None]
-    for consumers in (2, 1):
+    for name, kw in variants.items():
         pairs.zero_()
         counts.zero_()
-        pingpong(x, wg, out, epi=3, consumers=consumers, packed=(pairs, counts))
+        pingpong(x, wg, out, epi=3, packed=(pairs, counts), **kw)
         val_diff = (pairs[..., 1].view(torch.float32)[stored] - ref.val[stored]).abs().max().item()
-        print(f"{consumers} consumer(s), TwELL: counts equal {torch.equal(counts, ref.count)}, columns equal "
+        print(f"{name}, TwELL: counts equal {torch.equal(counts, ref.count)}, columns equal "
               f"{torch.equal(pairs[..., 0][stored], ref.idx[stored])}, max |value - gate_pack's| {val_diff:.3e}, "
               f"stored pairs {int(stored.sum())}", flush=True)
     cases = {
         "cuBLAS x Wᵀ": lambda: x @ wg.T,
         "ping-pong, TwELL epilogue": lambda: pingpong(x, wg, out, epi=3, packed=(pairs, counts)),
         "one consumer, TwELL epilogue": lambda: pingpong(x, wg, out, epi=3, consumers=1, packed=(pairs, counts)),
+        "two rings, TwELL epilogue": lambda: pingpong(x, wg, out, epi=3, rings=2, packed=(pairs, counts)),
+        "two rings, row counts": lambda: pingpong(x, wg, out, epi=2, rings=2),
         "gate_pack (TwELL epilogue)": lambda: gate_pack(x, wg, None, paired=True),
         "ping-pong, row counts": lambda: pingpong(x, wg, out, epi=2),
         "ping-pong, relu + bf16 store": lambda: pingpong(x, wg, out, epi=1),
