@@ -14,10 +14,10 @@ Question: can Triton 3.6 on the H200 run a GEMM whose epilogue hides under the M
   read it early: the first version faulted ("unspecified launch failure") under load, and ran
   clean under compute-sanitizer, which serialises it.
 
-Gluon 3.6 constraints met on the way: a worker partition's arguments must be IR values (no
-constexprs, no Python ints: sizes come from the buffers' types), and a function that builds a
-distributed-layout tensor (``gl.zeros``) has no warp count inside a worker partition (``gl.full``
-does). Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``. Session 32's runs 4–7
+A Gluon 3.6 constraint met on the way: a worker partition's arguments must be IR values (no
+constexprs, no Python ints: sizes come from the buffers' types).
+
+Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``. Session 32's runs 4–7
 used two kernels, one per consumer count; they are merged here under ``CONSUMERS`` (run 8 ran
 this file). Its numbers, and how noisy they are: docs/benchmarks.md, "Session 32".
 
@@ -26,11 +26,13 @@ GPU** (run it under ``timeout``):
 
 * ``epi=3`` packs TwELL as ``gate_pack`` does (bit ranks, paired slots); ``main`` checks it
   against ``gate_pack`` and times it;
-* ``rings=2``: one ring of ``STAGES // 2`` slots per consumer and no turns. The TTGIR of the
-  kernels above shows why: inside a partition, Triton 3.6 follows each asynchronous ``wgmma``
-  with a wait for it (``warp_group_dot_wait {pendings = 0}``, ahead of the ``pendings = 1`` asked
-  for), so a consumer's K steps do not overlap, and with turns only one consumer is in its main
-  loop: the tensor cores idle between steps. With a ring each, both consumers can multiply at once.
+* ``rings=2``: one ring of ``STAGES // 2`` slots per consumer and no turns, so that both
+  consumers can multiply at once.
+
+To compile on a machine without a GPU, use ``GluonASTSource`` (``triton.experimental.gluon.
+_runtime``), which sets the module's warp count and register cap before parsing, as the launch
+does: the plain ``ASTSource`` fails to verify layouts outside worker partitions, and the kernel it
+builds differs from the launched one (a forced ``wgmma`` wait, a stack frame).
 """
 import sys
 
@@ -85,7 +87,7 @@ def _consume(a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, c_ptr, pk_ptr, 
     for t in range(pid, num_tiles, nprog):
         if (PARITY < 0) | (n % 2 == PARITY):  # PARITY -1: every tile (one consumer)
             off_m, off_n = _tile_coords(t, M, N, BM, BN, GROUP)
-            acc = gl.full((BM, BN), 0.0, gl.float32, layout=mma_layout)  # gl.zeros, a jit function, has no warp count inside a partition
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
             # The consumers take turns on the main loop (A's j-th, B's j-th, A's j+1-th, ...): a
             # consumer that ran ahead would wait on a slot two fills behind, whose phase parity aliases.
             # (With one ring per consumer, RINGS == 2, no slot is shared and no turn is needed.)
