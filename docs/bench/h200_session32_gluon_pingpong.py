@@ -21,13 +21,16 @@ Run on an H200: ``python docs/bench/h200_session32_gluon_pingpong.py``. Session 
 used two kernels, one per consumer count; they are merged here under ``CONSUMERS`` (run 8 ran
 this file). Its numbers, and how noisy they are: docs/benchmarks.md, "Session 32".
 
-Written after the session's last GPU run, compiled for sm90 on the CPU and **not yet run on a
-GPU** (run it under ``timeout``):
+Written after session 32's last GPU run, and run in session 33 (docs/bench/h200_session33_probes.log,
+run 1; docs/benchmarks.md, "Session 33"):
 
 * ``epi=3`` packs TwELL as ``gate_pack`` does (bit ranks, paired slots); ``main`` checks it
-  against ``gate_pack`` and times it;
+  against ``gate_pack`` (equal counts, columns and values for all three variants) and times it:
+  the ping-pong hides the epilogue (0.595-0.602 ms against 0.655-0.679 with one consumer) but
+  ends 0.01-0.02 ms behind ``gate_pack`` (0.584-0.587), whose 256-row tiles read a quarter fewer
+  operand bytes from L2 (4.4 GB a call against 5.9);
 * ``rings=2``: one ring of ``STAGES // 2`` slots per consumer and no turns, so that both
-  consumers can multiply at once.
+  consumers can multiply at once: exact, and slower (0.695-0.725 ms).
 
 To compile on a machine without a GPU, use ``GluonASTSource`` (``triton.experimental.gluon.
 _runtime``), which sets the module's warp count and register cap before parsing, as the launch
