@@ -218,22 +218,28 @@ def _dense_list_kernel(flags_ptr, rows_ptr, ndense_ptr, rowcnt_ptr, values_ptr, 
                        BLOCK: tl.constexpr, RECORD: tl.constexpr = False, FLAG: tl.constexpr = 0.0):
     """One program: ``rows[0:n]`` = the rows with ``flags != 0`` in increasing order, ``ndense = n``.
     ``BLOCK`` flags per step, ranked by a prefix sum on top of the running count. With RECORD, the
-    call's record (``finish_call``) from the flagged rows and the rows' active counts ``rowcnt``."""
+    call's record (``finish_call``) from the flagged rows and the rows' active counts ``rowcnt``.
+
+    One reduction a step (the block's flag count; most blocks flag nothing, so most skip the scan),
+    the active counts summed lane by lane and reduced once at the end, and the next block's loads
+    issued while this one is reduced (``num_stages=2``): the steps were three dependent reductions
+    each, and the kernel's time is its serial latency."""
     offs = tl.arange(0, BLOCK)
     count = tl.program_id(0) * 0  # int32 running count
-    active = count.to(tl.int64)
-    for start in range(0, M, BLOCK):
+    active = tl.full((BLOCK,), 0, tl.int64)
+    for start in tl.range(0, M, BLOCK, num_stages=2):
         r = start + offs
         f = (tl.load(flags_ptr + r, mask=r < M, other=0) != 0).to(tl.int32)
         if RECORD:
-            active += tl.sum(tl.load(rowcnt_ptr + r, mask=r < M, other=0).to(tl.int64), axis=0)
-        if tl.max(f, axis=0) > 0:  # most blocks flag nothing: no scan for them
+            active += tl.load(rowcnt_ptr + r, mask=r < M, other=0).to(tl.int64)
+        n = tl.sum(f, axis=0)
+        if n > 0:
             pos = count + tl.cumsum(f, axis=0) - f
             tl.store(rows_ptr + pos, r, mask=f != 0)
-            count += tl.sum(f, axis=0)
+            count += n
     tl.store(ndense_ptr, count)
     if RECORD:
-        finish_call(values_ptr, scratch_ptr, active, count, M, FLAG)
+        finish_call(values_ptr, scratch_ptr, tl.sum(active, axis=0), count, M, FLAG)
 
 
 @jit_helper
