@@ -190,6 +190,35 @@ def test_call_record_loses_nothing_when_another_launch_is_in_flight():
     assert left_ticket == other_ticket
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_call_records_at_scale_hold_every_programs_counts():
+    """``finish_call`` on the GPU, where its sums are relaxed atomics and only the ticket is
+    acq_rel: the last of 16,384 ``flag_rows`` programs, and ``dense_list``'s one program, store
+    exactly the call's active entries and dense rows, call after call, and leave the scratch
+    zeroed."""
+    gen = torch.Generator().manual_seed(34)
+    m, n_tiles, slots = 262144, 44, 16
+    a = torch.randn(m, 64, generator=gen)
+    a[torch.rand(m, generator=gen) < 0.01, 3] = float("nan")
+    count = torch.randint(0, 20, (m, n_tiles), generator=gen, dtype=torch.int32)
+    bound = torch.tensor([0.0, 0.0, 1e30])
+    want_dense = (a.isnan().any(1) | (count > slots).any(1)).sum().item()
+    flags = torch.rand(100003, generator=gen) < 0.001
+    row_counts = torch.randint(0, 60, (100003,), generator=gen, dtype=torch.int32)
+    a, count, bound, flags, row_counts = (t.cuda() for t in (a, count, bound, flags, row_counts))
+    record = DR.CallRecord(torch.zeros(5, dtype=torch.float64, device="cuda"),
+                           torch.zeros(3, dtype=torch.int64, device="cuda"), 1.0)
+    for calls in range(1, 21):
+        DR.flag_rows(a, bound, count=count, slots=slots, flag_overflow=True, record=record)
+        assert record.values.tolist() == [2 * calls - 1, m, count.sum().item(), want_dense, 1.0]
+        assert record.scratch.tolist() == [0, 0, 0]
+        listed = DR.dense_list(flags, record=record, row_counts=row_counts)
+        assert record.values.tolist() == [2 * calls, 100003, row_counts.sum().item(), flags.sum().item(), 1.0]
+        assert record.scratch.tolist() == [0, 0, 0]
+        _assert_lists(listed, flags.cpu())
+
+
 def test_guard_bounds_flag_what_the_reference_guard_flags():
     """``guard_bounds`` + ``flag_rows`` flag every row ``dense_rows_ref`` flags without an
     overflow (a superset only costs speed), and the reference's backward ``dout`` rows."""
