@@ -5,6 +5,15 @@ computes the up and down projections for the active neurons only; on CPU the PyT
 does the same. Under autograd (rare: the rewrite picks ``twell::ffn_train`` when training) the
 backward recomputes the forward with ``ffn_train`` and calls ``ffn_bwd`` with no L1 term, so the
 gradients are exact.
+
+The op is defined with ``torch.library.Library`` and an autograd kernel of its own, as
+``twell::ffn_train`` is, rather than with ``torch.library.custom_op``, whose Python wrappers
+(autograd, a ``torch._dynamo.disable`` frame, an aliasing check) cost every call host time: on
+our CPU 38 µs of dispatch against 22 µs this way; on an H200 host, a sparse call's host time went
+from 422-478 to 403-415 µs at best and from 439-717 to 423-676 µs in the median of interleaved
+rounds (docs/benchmarks.md, session 35). Called with real tensors and nothing to record for
+autograd, the autograd kernel runs the implementation directly; traced (``torch.compile``,
+``make_fx``, fake tensors) it redispatches the op, so graphs record it.
 """
 
 from __future__ import annotations
@@ -16,12 +25,17 @@ from torch import Tensor
 
 from . import impl
 from .checks import check_ffn_args
-from .ffn_bwd import backward_grads
-from .ffn_train import ffn_train, present_grads
+from .ffn_bwd import backward_grads, plain_eager, real_tensors
+from .ffn_train import below_autograd, ffn_train, present_grads
+
+_LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the other ops
+_LIB.define(
+    "ffn(Tensor x, Tensor? wg, Tensor wu, Tensor wd, Tensor? bg, Tensor? bu, Tensor? bd, SymInt layer) -> Tensor",
+    tags=(torch.Tag.needs_contiguous_strides, torch.Tag.pt2_compliant_tag),
+)
 
 
-@torch.library.custom_op("twell::ffn", mutates_args=(), tags=(torch.Tag.needs_contiguous_strides,))
-def ffn(
+def _ffn(
     x: Tensor,
     wg: Optional[Tensor],
     wu: Tensor,
@@ -53,23 +67,44 @@ def ffn(
     return res.out.reshape(x.shape)
 
 
-@ffn.register_fake
+@torch.library.register_fake("twell::ffn", lib=_LIB)
 def _(x, wg, wu, wd, bg, bu, bd, layer):
     return torch.empty_like(x)
 
 
-def _setup_context(ctx, inputs, output):
-    x, wg, wu, wd, bg, bu, bd, layer = inputs
-    ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd)
-    ctx.layer = layer
+class _Ffn(torch.autograd.Function):
+    """The op's autograd: its forward (the implementation in plain eager mode, else the op below
+    autograd), with the op's inputs saved; the backward recomputes the TwELL tensors with
+    ``ffn_train`` and takes the gradients with no L1 term."""
+
+    @staticmethod
+    def forward(ctx, keyset, x, wg, wu, wd, bg, bu, bd, layer):
+        args = (x, wg, wu, wd, bg, bu, bd, layer)
+        out = _ffn(*args) if plain_eager(args) else below_autograd(_OP, keyset, args)
+        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd)
+        ctx.layer = layer
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        _, idx, val, count, up_val = ffn_train(x, wg, wu, wd, bg, bu, bd, zero, 1, ctx.layer)
+        grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, zero, 1,
+                               ctx.layer)
+        return (None, *present_grads(grads, (wg, bg, bu, bd)), None)
 
 
-def _backward(ctx, dout):
-    x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors
-    zero = torch.zeros((), dtype=torch.float32, device=x.device)
-    _, idx, val, count, up_val = ffn_train(x, wg, wu, wd, bg, bu, bd, zero, 1, ctx.layer)
-    grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, zero, 1, ctx.layer)
-    return (*present_grads(grads, (wg, bg, bu, bd)), None)
+def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, layer):
+    args = (x, wg, wu, wd, bg, bu, bd, layer)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return _Ffn.apply(keyset, *args)
+    if real_tensors(args):  # no grad to record: the implementation, with no second dispatch
+        return _ffn(*args)
+    return below_autograd(_OP, keyset, args)
 
 
-ffn.register_autograd(_backward, setup_context=_setup_context)
+_LIB.impl("ffn", _ffn, "CompositeExplicitAutograd")
+_LIB.impl("ffn", _autograd_kernel, "Autograd", with_keyset=True)
+ffn = torch.ops.twell.ffn
+_OP = ffn.default

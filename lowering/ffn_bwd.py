@@ -95,10 +95,15 @@ _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def plain_eager(args) -> bool:
-    """Real tensors (``Tensor`` or ``Parameter``: not fake, functional or other subclasses),
-    nothing tracing or transforming, and grad mode off (with ``create_graph=True`` the op raises
-    the double-backward error it registers)."""
-    if torch.is_grad_enabled() or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
+    """``real_tensors(args)`` with grad mode off (with ``create_graph=True`` the op raises the
+    double-backward error it registers)."""
+    return not torch.is_grad_enabled() and real_tensors(args)
+
+
+def real_tensors(args) -> bool:
+    """Real tensors (``Tensor`` or ``Parameter``: not fake, functional or other subclasses), and
+    nothing tracing or transforming: an op's implementation may then be called directly."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return False
     return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))
 

@@ -23,9 +23,9 @@ from torch import Tensor
 
 from . import impl
 from .checks import check_ffn_args, check_l1_args
-from .ffn_bwd import backward_grads, plain_eager
+from .ffn_bwd import backward_grads, plain_eager, real_tensors
 
-_LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the custom_op ops
+_LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the other ops
 _LIB.define(
     "ffn_train(Tensor x, Tensor? wg, Tensor wu, Tensor wd, Tensor? bg, Tensor? bu, Tensor? bd, Tensor l1_coeff, "
     "SymInt n_layers, SymInt layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -100,7 +100,7 @@ class _Train(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
         args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer)
-        output = _ffn_train(*args) if plain_eager(args) else _below_autograd(keyset, args)
+        output = _ffn_train(*args) if plain_eager(args) else below_autograd(_OP, keyset, args)
         _, idx, val, count, up_val = output
         ctx.mark_non_differentiable(idx, val, count, up_val)
         # Without this, eager autograd hands the backward zero-filled gradients of the four TwELL
@@ -126,14 +126,16 @@ def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, laye
     args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
         return _Train.apply(keyset, *args)
-    return _below_autograd(keyset, args)
+    if real_tensors(args):  # no grad to record: the implementation, with no second dispatch
+        return _ffn_train(*args)
+    return below_autograd(_OP, keyset, args)
 
 
-def _below_autograd(keyset, args):
-    """The op itself, dispatched past its autograd kernel (to its implementation, or to a
-    tracer's or fake tensors' handler)."""
+def below_autograd(op, keyset, args):
+    """The op overload ``op`` itself, dispatched past its autograd kernel (to its implementation,
+    or to a tracer's or fake tensors' handler)."""
     with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.twell.ffn_train.default.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
 def present_grads(grads, optional_inputs):
@@ -154,3 +156,4 @@ def present_grads(grads, optional_inputs):
 _LIB.impl("ffn_train", _ffn_train, "CompositeExplicitAutograd")
 _LIB.impl("ffn_train", _autograd_kernel, "Autograd", with_keyset=True)
 ffn_train = torch.ops.twell.ffn_train
+_OP = ffn_train.default

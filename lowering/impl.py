@@ -28,10 +28,14 @@ def _no_autocast(fn):
     """Run an op implementation with autocast off: the op's inputs already carry the dtype the
     rewrite chose, and the reference's own matmuls must keep its wider compute dtype."""
 
+    x_index = 1 if fn.__name__ == "backward" else 0
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        x = args[1] if fn.__name__ == "backward" else args[0]
-        with torch.autocast(x.device.type, enabled=False):
+        device_type = args[x_index].device.type
+        if not torch.is_autocast_enabled(device_type):  # the usual case: no context to enter (host time)
+            return fn(*args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
             return fn(*args, **kwargs)
 
     return wrapper

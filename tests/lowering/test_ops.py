@@ -411,6 +411,40 @@ def test_eager_forward_calls_the_implementation_and_traced_ones_the_op(monkeypat
     assert any(n.target is ops.ffn_train.default for n in graph.graph.nodes)
 
 
+def test_inference_op_calls_the_implementation_once_and_traced_calls_record_the_op(monkeypatch):
+    """``twell::ffn`` with nothing for autograd to record (grad off, or no input that requires
+    grad) runs its implementation directly from its autograd kernel, one call and no second
+    dispatch (host time); with grad it runs it once inside its ``autograd.Function``; traced with
+    ``make_fx`` the graph records the op. All give the same output."""
+    import importlib
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    F_ = importlib.import_module("twell_compile.lowering.ffn")  # the module (the package exports the op)
+    args = make_args(True, True, torch.float64, (2, 3))
+    params = [args[0], *(None if t is None else torch.nn.Parameter(t.detach()) for t in args[1:])]
+    with torch.no_grad():
+        expected = ops.ffn(*args, 0)
+    calls = []
+    original = F_._ffn
+    monkeypatch.setattr(F_, "_ffn", lambda *a: calls.append(1) or original(*a))
+    for label, run in [("no_grad", lambda: _no_grad(lambda: ops.ffn(*params, 0))),
+                       ("grad on, nothing requires grad", lambda: ops.ffn(*args, 0)),
+                       ("grad", lambda: ops.ffn(*params, 0))]:
+        calls.clear()
+        got = run()
+        assert calls == [1], f"{label}: the implementation ran {len(calls)} times"
+        assert torch.equal(got, expected), label
+        assert got.requires_grad == (label == "grad"), label
+    graph = make_fx(lambda *a: ops.ffn(*a, 0), tracing_mode="fake")(*args)
+    assert any(n.target is ops.ffn.default for n in graph.graph.nodes)
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
 def test_double_backward_is_refused():
     args = make_args(False, False, torch.float64, requires_grad=True)
     out = ops.ffn_train(*args, torch.tensor(0.0), 1, 0)[0]
