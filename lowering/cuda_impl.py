@@ -171,7 +171,7 @@ def _policy(layer: int, device: torch.device, *, create: bool = True) -> Optiona
     key = (layer, device.index or 0)
     p = _policies.get(key)
     if p is None and create:
-        with _lock:
+        with _lock, torch.inference_mode(False):  # its pinned copy is updated in place on later calls
             p = _policies.setdefault(key, _LayerPolicy())
     return p
 

@@ -28,7 +28,9 @@ def _state(layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     state = _buffers.get(key)
     if state is None:
         with _lock:
-            with torch._subclasses.fake_tensor.unset_fake_temporarily():  # real buffers, even mid-compile
+            # Real buffers, even mid-compile, and normal ones, even when first made under
+            # torch.inference_mode(): an inference tensor could not be updated in place outside it.
+            with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.inference_mode(False):
                 fresh = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
                 fresh[_L1] = float("nan")  # no training call yet
                 scratch = torch.zeros(3, dtype=torch.int64, device=device)

@@ -512,3 +512,39 @@ def test_call_record_is_the_telemetry_fields_a_kernel_stores():
     record.values.copy_(torch.tensor([2.0, 60.0, 7.0, 1.0, 0.0], dtype=torch.float64))
     snap = telemetry.snapshot()[21]
     assert snap == {"calls": 2.0, "tokens": 60.0, "active": 7.0, "dense_rows": 1.0, "l1": 0.25, "sparse": 0.0}
+
+
+def _first_call_under_inference_mode_then_outside(device: str, layer: int):
+    """A layer first called under ``torch.inference_mode()`` (an eval loop) keeps working outside it
+    (the next eval without it, a training step) and under it again, with equal outputs: the
+    per-layer state made on its first call (telemetry buffers, the CUDA policy's pinned copy) is
+    made of normal tensors, which later calls update in place."""
+    args = [None if t is None else t.to(device) for t in make_args(True, True, torch.float32, (40,), seed=7)]
+    with torch.inference_mode():
+        first = ops.ffn(*args, layer)
+    again = ops.ffn(*args, layer)
+    params = [None if t is None else t.requires_grad_() for t in args]  # the same tensors: cached per-weight work
+    out = ops.ffn_train(*params, torch.tensor(1e-3, device=device), 1, layer)[0]
+    out.sum().backward()
+    with torch.inference_mode():
+        third = ops.ffn(*args, layer)
+    assert torch.equal(first, again) and torch.equal(first, third) and torch.equal(out.detach(), first)
+    assert all(p.grad is not None for p in params if p is not None)
+    snap = telemetry.snapshot()[layer]
+    assert snap["calls"] == 4 and snap["tokens"] == 40 and snap["l1"] == snap["l1"]  # L1 measured (not NaN)
+
+
+def test_layer_first_called_under_inference_mode_works_outside_it():
+    _first_call_under_inference_mode_then_outside("cpu", 931)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["sparse", "dense"])
+def test_gpu_layer_first_called_under_inference_mode_works_outside_it(path):
+    from twell_compile.lowering import cuda_impl
+
+    cuda_impl.FORCE_PATH = path
+    try:
+        _first_call_under_inference_mode_then_outside("cuda", 932 + (path == "dense"))
+    finally:
+        cuda_impl.FORCE_PATH = None
