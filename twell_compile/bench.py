@@ -197,46 +197,56 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def host_step_ms(d: int, h: int, *, steps: int = 50, reps: int = 5) -> float:
-    """Host time of one forced sparse TwELL training step at M=512 tokens (ms, median of ``reps``
-    rounds of ``steps``), where the GPU waits for the host. A sparse training step at 0.5% density
-    at the benchmark shape is about as long as its host's work, which differed by 1.5× between
-    the H200's hosts (docs/benchmarks.md, sessions 19-22): this says how fast this run's was."""
+def host_ms(d: int, h: int, *, train: bool, calls: int = 50, reps: int = 5) -> float:
+    """Host time of one forced sparse TwELL call at M=512 tokens (ms, median of ``reps`` rounds of
+    ``calls``), where the GPU waits for the host: a training step (forward, backward, weights
+    updated) or an inference call. Near 0.5% density at the benchmark shape a sparse call's GPU
+    work is about as long as its host's work, which differs by 1.5-2x between the H200's hosts
+    (docs/benchmarks.md, sessions 19-22 and 35): this says how fast this run's was, and so whether
+    its eager readings were the host's."""
     from .lowering import cuda_impl
 
     x, wg, wu, wd = make_problem(512, d, h, 0.005, skewed=False)
-    params = [p.detach().requires_grad_() for p in (x, wg, wu, wd)]
-    dout, coeff = torch.randn_like(x), torch.tensor(2e-5, device=x.device)
+    if train:
+        params = [p.detach().requires_grad_() for p in (x, wg, wu, wd)]
+        dout, coeff = torch.randn_like(x), torch.tensor(2e-5, device=x.device)
 
-    def step():
-        twell_train_step(*params, dout, coeff)
-        weights_updated(params[1:])
+        def call():
+            twell_train_step(*params, dout, coeff)
+            weights_updated(params[1:])
+    else:
+        def call():
+            with torch.no_grad():
+                torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_002)
 
     forced, cuda_impl.FORCE_PATH = cuda_impl.FORCE_PATH, "sparse"
     try:
         for _ in range(5):
-            step()
+            call()
         times = []
         for _ in range(reps):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            for _ in range(steps):
-                step()
+            for _ in range(calls):
+                call()
             torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) / steps * 1e3)
+            times.append((time.perf_counter() - t) / calls * 1e3)
     finally:
         cuda_impl.FORCE_PATH = forced
     return statistics.median(times)
 
 
 def host_line(d: int, h: int) -> str:
-    """The benchmark's host line: CPU model, cores, and ``host_step_ms``."""
-    try:
-        step = f"{host_step_ms(d, h):.3f} ms"
-    except Exception as err:  # noqa: BLE001 - a report line: say what failed, keep the results
-        step = f"not measured ({type(err).__name__}: {err})"
-    return (f"host: {cpu_model()}, {os.cpu_count()} cores; a forced sparse training step's host time "
-            f"at M=512 (GPU waiting): {step}")
+    """The benchmark's host line: CPU model, cores, and ``host_ms`` of an inference call and of a
+    training step."""
+    measured = []
+    for label, train in (("an inference call", False), ("a training step", True)):
+        try:
+            measured.append(f"{label} {host_ms(d, h, train=train):.3f} ms")
+        except Exception as err:  # noqa: BLE001 - a report line: say what failed, keep the results
+            measured.append(f"{label} not measured ({type(err).__name__}: {err})")
+    return (f"host: {cpu_model()}, {os.cpu_count()} cores; host time of a forced sparse call at M=512 "
+            f"(GPU waiting): {', '.join(measured)}")
 
 
 # Bytes written before each timed call to evict the L2 (the H200's is 60 MiB), as
