@@ -1,6 +1,7 @@
 """Shared pytest configuration for the whole test tree."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -32,6 +33,23 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+_REPORTED_PACKAGES = ("torch", "triton", "transformers", "hypothesis", "numpy", "pytest", "kernels", "peft", "accelerate")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line, printed even under ``-q``, that says which versions this run was proven on."""
+    from importlib import metadata
+
+    found = []
+    for name in _REPORTED_PACKAGES:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    terminalreporter.write_line(f"versions: Python {sys.version.split()[0]}, {', '.join(found)}; {cuda}")
 
 
 def pytest_collection_modifyitems(config, items):

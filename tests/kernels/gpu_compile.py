@@ -9,7 +9,7 @@ for fp16/fp32 and plain FFNs. Nothing is launched.
 
 Usage (the interpreter must be off, so run it outside pytest's process)::
 
-    python -m tests.kernels.gpu_compile --arch sm90 [--ptx-dir DIR]
+    python tests/kernels/gpu_compile.py --arch sm90 [--ptx-dir DIR]
 
 Prints one line per compiled variant; exit status 1 if any fails.
 """

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _compile_all(*args: str) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.gpu_compile", *args], cwd=ROOT, env=env,
+    # Run by path: ``-m`` from the root would put the root (and its kernels/ folder) on sys.path.
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_compile.py")), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"GPU compile failed:\n{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
