@@ -1,7 +1,12 @@
 """TwELL kernels: the format, its pure-PyTorch reference, and the Triton kernels.
 
-This layer knows nothing about torch.compile. Triton modules are imported lazily by the ops that
-launch them, so importing this package never needs a GPU.
+This layer knows nothing about torch.compile. Importing the package defines the Triton kernels but
+compiles none, so it needs no GPU; ``TRITON_INTERPRET=1`` must be set before it is imported for the
+kernels to run in Triton's interpreter (``triton_helpers.INTERPRET``).
+
+The names below are the layer's interface. A module and a function can share a name
+(``gate_pack``, ``sparse_ffn``): the package attribute is the function; a module's other names are
+imported from the module itself (``from twell_compile.kernels.gate_pack import ...``).
 """
 
 if __name__ == "kernels":
@@ -25,6 +30,34 @@ if __name__ == "kernels":
     _sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds now
     _spec.loader.exec_module(_module)
 else:
-    from .format import DEFAULT_LAYOUT, SLOTS_PER_TILE, TILE_N, TwellLayout, TwellPacked
+    from . import reference
+    from .dense_act import dense_activation, dense_activation_backward
+    from .dense_rows import DENSE_ROW_FRACTION_MAX
+    from .floors import active_pairs, gather_floor
+    from .format import (DEFAULT_LAYOUT, SLOTS_PER_TILE, TILE_N, TwellLayout, TwellPacked, accumulation_dtype,
+                         empty_packed, is_paired)
+    from .gate_pack import gate_pack
+    from .launch import tuned_configs
+    from .row_lists import RowList, dense_list, flag_rows
+    from .sparse_ffn import sparse_ffn
+    from .sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS, sparse_ffn_backward
+    from .tickets import CallRecord
+    from .weights import guard_bounds, transposed, weight_prep
 
-    __all__ = ["DEFAULT_LAYOUT", "SLOTS_PER_TILE", "TILE_N", "TwellLayout", "TwellPacked"]
+    __all__ = [
+        # the TwELL format
+        "DEFAULT_LAYOUT", "SLOTS_PER_TILE", "TILE_N", "TwellLayout", "TwellPacked", "accumulation_dtype",
+        "empty_packed", "is_paired",
+        # the pure-PyTorch reference (a module)
+        "reference",
+        # the sparse path: pack, forward, backward
+        "gate_pack", "sparse_ffn", "sparse_ffn_backward", "DENSE_WGRAD_GEMM_ROWS",
+        # the dense path's element-wise passes
+        "dense_activation", "dense_activation_backward",
+        # per-weight work
+        "weight_prep", "guard_bounds", "transposed",
+        # dense rows: flags, lists, the call record
+        "flag_rows", "dense_list", "RowList", "CallRecord", "DENSE_ROW_FRACTION_MAX",
+        # the bench's floors and the autotuner's choices
+        "tuned_configs", "gather_floor", "active_pairs",
+    ]

@@ -64,7 +64,7 @@ def check_packed(packed, m: int, h: int, layout: TwellLayout, device: torch.devi
 
 
 def check_row_list(row_list, m: int, device: torch.device) -> None:
-    """``row_list`` is a ``dense_rows.RowList`` of ``m`` rows: int32 ``rows [max(m, 1)]`` and int32
+    """``row_list`` is a ``row_lists.RowList`` of ``m`` rows: int32 ``rows [max(m, 1)]`` and int32
     ``n_dense [1]`` on ``device``."""
     check_tensor("row_list.rows", row_list.rows, (max(m, 1),), (torch.int32,), device)
     check_tensor("row_list.n_dense", row_list.n_dense, (1,), (torch.int32,), device)

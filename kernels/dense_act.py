@@ -31,14 +31,14 @@ import triton
 import triton.language as tl
 
 from .checks import check_tensor
-from .dense_rows import CallRecord, check_record, finish_call, record_without_kernel
 from .format import DEFAULT_LAYOUT, TwellLayout
 from .launch import cdiv, launch
+from .tickets import CallRecord, check_record, finish_call, record_without_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Rows per program: 8 rows x 128 columns of 16-bit values are one 16-byte vector per thread and
 # load at 4 warps. Every row's tiles stay in one program, so a row's overflow flag needs no atomics.
-_ROWS = 8
+ROWS_PER_PROGRAM = 8
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _dense_act_kernel(
 ):
     """``h[r] = relu(pre[r]) (· up[r])`` for the ``BM`` rows of this program, tile by tile.
 
-    STORE_ACT: also ``act = relu(pre)``. COUNT: the call's record (``dense_rows.finish_call``): the
+    STORE_ACT: also ``act = relu(pre)``. COUNT: the call's record (``tickets.finish_call``): the
     active entries, and the rows with a tile of more than SLOTS of them. L1: ``l1[0] += Σ|h|``
     (float32).
     """
@@ -111,7 +111,7 @@ def dense_activation(
         up: ``[M, H]`` up projection of a gated FFN, same dtype and device; None for a plain one.
         store_act: gated only: also write ``act`` (the training backward needs it). Otherwise the
             returned ``act`` is ``h`` (plain) or None (gated).
-        record: receives the call's record (``dense_rows.CallRecord``): the active entries and the
+        record: receives the call's record (``tickets.CallRecord``): the active entries and the
             rows with a tile of more than ``layout.slots`` active entries, in the same launch.
         l1: float32 ``[1]`` on the same device: receives ``+= Σ|h|``.
         layout: the TwELL tiles the overflow count is taken over.
@@ -134,13 +134,14 @@ def dense_activation(
     hid = torch.empty(m, h, dtype=pre.dtype, device=dev)
     act = torch.empty(m, h, dtype=pre.dtype, device=dev) if store_act else None
     if m and h:
-        launch(_dense_act_kernel, (cdiv(m, _ROWS),),
+        launch(_dense_act_kernel, (cdiv(m, ROWS_PER_PROGRAM),),
             pre, up, hid, hid if act is None else act, pre if record is None else record.values,
             pre if record is None else record.scratch, pre if l1 is None else l1,
             m, h, layout.n_tiles(h), pre.stride(0), up.stride(0), hid.stride(0), hid.stride(0) if act is None else act.stride(0),
             GATED=gated, STORE_ACT=store_act, COUNT=record is not None,
             FLAG=0.0 if record is None else float(record.flag), L1=l1 is not None,
-            FP64=pre.dtype == torch.float64, SLOTS=layout.slots, TILE_N=layout.tile_n, BM=_ROWS, num_warps=4,
+            FP64=pre.dtype == torch.float64, SLOTS=layout.slots, TILE_N=layout.tile_n, BM=ROWS_PER_PROGRAM,
+            num_warps=4,
         )
     elif record is not None:
         record_without_kernel(record, m)
@@ -217,3 +218,6 @@ def dense_activation_backward(
             GATED=gated, FP64=dh.dtype == torch.float64, BLOCK=block, num_warps=8,
         )
     return d_gate, dh
+
+
+KERNELS = {"dense_act": _dense_act_kernel, "dense_act_backward": _dense_act_backward_kernel}

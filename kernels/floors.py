@@ -10,16 +10,14 @@ the compiler from dropping the loads (and lets tests check that every row was re
 plus the dense gate GEMM's is the floor the bench reports beside the op: what the TwELL design
 would cost if both kernels ran at the rate of these two.
 
-One program of 4 warps per token with the whole ``D`` row in registers, as DESIGN.md section 10's
-naive loop. On the H200 at D=2048, H=5632, M=16384, 0.5% density (session 28) it took 0.426 ms
-with 4 warps, 0.417 with 8, 0.450 with 2 and 0.503 with 1: the reported floor is within ~2% of
-this loop's best. The x and output rows stream through L2 as ``evict_first``, as in ``sparse_ffn``,
-which leaves L2 to the weight rows.
+One program of 4 warps per token with the whole ``D`` row in registers, the naive loop of
+docs/benchmarks.md, 'Floors and targets'. On the H200 at D=2048, H=5632, M=16384, 0.5% density it
+takes 0.426 ms with 4 warps, 0.417 with 8, 0.450 with 2 and 0.503 with 1: the reported floor is
+within ~2% of this loop's best. The x and output rows stream through L2 as ``evict_first``, as
+in ``sparse_ffn``, which leaves L2 to the weight rows.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -27,8 +25,7 @@ import triton.language as tl
 
 from .checks import FLOAT_DTYPES, check_matrix, check_tensor
 from .launch import launch, next_power_of_2
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .triton_helpers import INTERPRET
 
 
 @triton.jit
@@ -103,3 +100,6 @@ def gather_floor(x: torch.Tensor, row_ptr: torch.Tensor, cols: torch.Tensor, wu:
         return out
     launch(_gather_floor_kernel, (m,), x, row_ptr, cols, wu, wd_t, out, d, BLOCK_D=next_power_of_2(d), num_warps=4)
     return out
+
+
+KERNELS = {"gather_floor": _gather_floor_kernel}

@@ -12,10 +12,10 @@ to any other tile:
 
 The dense ``pre`` never reaches global memory. Stored values are ``pre`` as accumulated in fp32:
 for 16-bit inputs a value past the dtype's range stays finite here, and the consumers map it to
-+Inf, as dense PyTorch's rounding of the gate does, when they read it (``sparse_ffn.load_pair``):
++Inf, as dense PyTorch's rounding of the gate does, when they read it (``pair_walk.load_pair``):
 one test per stored pair there instead of two instructions per accumulator element here (on the
-H200, session 29: -0.014 ms a call at the benchmark shape). This is ``reference.gate_pack_ref`` up
-to fp32 summation order (the reference sums fp32 inputs in float64).
+H200, 0.014 ms a call less at the benchmark shape). This is ``reference.gate_pack_ref`` up to fp32
+summation order (the reference sums fp32 inputs in float64).
 
 Two epilogues compute the same ranks (autotune picks; tests run both):
 
@@ -35,19 +35,17 @@ Bytes, for 16-bit inputs (``e`` = element size, ``a`` = stored actives per row):
   at D=2048, H=5632, 28 actives per token that is 312 B instead of 11264 B per token.
 
 Loads go through TMA tensor descriptors on sm90+ where a TMA config fits the shared memory
-(``use_tma``, ``_tma_fits``), or plain pointers elsewhere and in the interpreter by default. With
+(``gate_pack_configs``), or plain pointers elsewhere and in the interpreter by default. With
 TMA, the autotuner's usual pick is one persistent program per SM looping over the tiles, so a
 tile's epilogue overlaps the next tile's loads, but not the MMAs: on the H200 at D=2048, H=5632,
 M=16384 the main loop alone takes 0.48-0.50 ms (cuBLAS's GEMM 0.51-0.53) and the epilogue adds
-~0.07 ms (docs/benchmarks.md, sessions 28-29); with pointers, each
-program packs one tile. fp32 inputs use IEEE fp32 products (``input_precision="ieee"``), as dense
-PyTorch does with TF32 off; fp16/bf16 use tensor cores with fp32 accumulation.
+~0.07 ms (docs/benchmarks.md); with pointers, each program packs one tile. fp32 inputs use IEEE
+fp32 products (``input_precision="ieee"``), as dense PyTorch does with TF32 off; fp16/bf16 use
+tensor cores with fp32 accumulation.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Optional
 
 import torch
@@ -58,103 +56,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .checks import FLOAT_DTYPES, check_matrix, check_tensor
 from .format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed
+from .gate_pack_configs import (autotune_configs, device_properties, persistent_programs, prune_configs,
+                                sm90_or_newer, tma_fits, tma_ok)
 from .launch import cdiv, launch
-
-# Triton's interpreter (CPU tests) computes bf16 tl.dot wrongly and cannot autotune over several
-# configs (DESIGN.md section 9); it must be set before this module is imported.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_GROUP_M = 8  # row-blocks per group of the tile order: a group's W tiles stay in L2
+from .triton_helpers import INTERPRET
 
 
-def _set_tma_blocks(nargs) -> None:
-    """Autotune pre-hook: the descriptors' block shapes follow the config's tile sizes."""
-    if isinstance(nargs["x"], TensorDescriptor):
-        nargs["x"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["w"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+GROUP_M = 8  # row-blocks per group of the tile order: a group's W tiles stay in L2
 
 
-def _cuda_configs():
-    # (BLOCK_M, BLOCK_K, warps, stages, EPI_SPLIT, PERSISTENT, BIT_RANKS); BLOCK_N is the format's
-    # tile_n. Sweeps on the H200 (bf16, D=2048, H=5632, M=16384, cuBLAS gate GEMM 0.51-0.54 ms):
-    # * persistent programs (one per SM, a flattened tile loop) overlap one tile's epilogue with
-    #   the next tile's loads: 0.78 ms against 0.94 ms for the same scan-epilogue tile per program;
-    # * bit-count ranks keep the epilogue in the accumulator's layout: 0.63-0.73 ms at 0.3-2%
-    #   density for 256-row persistent tiles (0.64-0.68 with 4 stages), 0.74-0.79 for 128-row
-    #   tiles one per program, against 0.84-0.88 for the scan epilogue's persistent tiles and
-    #   0.75-0.88 for session 7's ranks by a tl.dot (100 bytes of spills at 256 rows; removed).
-    # Per-tile programs with the scan epilogue stay for the pointer path (no TMA: pre-Hopper GPUs
-    # and fp32, whose wider tiles need more shared memory than sm90 has).
-    shapes = [(256, 64, 8, 3, 1, True, True), (256, 64, 8, 4, 1, True, True), (128, 64, 8, 4, 1, False, True),
-              (128, 64, 8, 4, 2, False, False), (256, 64, 8, 3, 4, False, False), (64, 64, 4, 4, 2, False, False),
-              (128, 32, 8, 3, 4, False, False)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "EPI_SPLIT": e, "PERSISTENT": p, "BIT_RANKS": r}, num_warps=w,
-                      num_stages=s, pre_hook=_set_tma_blocks)
-        for bm, bk, w, s, e, p, r in shapes
-    ]
-
-
-def _configs():
-    if INTERPRET:  # one config: multi-config autotuning needs a GPU driver
-        config = {"BLOCK_M": 32, "BLOCK_K": 32, "EPI_SPLIT": 1, "PERSISTENT": True, "BIT_RANKS": True}
-        return [triton.Config(config, num_warps=4, num_stages=1, pre_hook=_set_tma_blocks)]
-    return _cuda_configs()
-
-
-# Shared memory a TMA config needs beyond its operand ring (barriers; 1,056 bytes on sm90).
-_SMEM_SLACK = 4096
-
-
-def _operand_ring_bytes(config, block_n: int, element_size: int) -> int:
-    """Shared memory of a config's ring of x and w tiles: ``stages × (BLOCK_M + BLOCK_N) × BLOCK_K``
-    elements (197,664 bytes in all for 256×128×64 tiles and 4 stages on sm90, bf16)."""
-    kw = config.kwargs
-    return config.num_stages * (kw["BLOCK_M"] + block_n) * kw["BLOCK_K"] * element_size
-
-
-def _tma_fits(device: torch.device, element_size: int, block_n: int) -> bool:
-    """Whether some TMA config's operand ring fits ``device``'s opt-in shared memory per block. The
-    smallest needs 128 KiB at 16-bit inputs: more than GPUs of ~100 KiB per block (sm120, the
-    consumer Blackwell parts) have, which then take the pointer path. True when the limit is
-    unknown, and off the GPU."""
-    if INTERPRET or device.type != "cuda":
-        return True
-    room = getattr(_properties(device), "shared_memory_per_block_optin", None)
-    return room is None or _smallest_tma_ring(element_size, block_n) + _SMEM_SLACK <= room
-
-
-@functools.lru_cache(maxsize=None)
-def _smallest_tma_ring(element_size: int, block_n: int) -> int:
-    """The smallest operand ring of the TMA configs (cached: the launcher asks on every call)."""
-    return min(_operand_ring_bytes(c, block_n, element_size) for c in _cuda_configs() if c.kwargs["BIT_RANKS"])
-
-
-def _prune_configs(configs, nargs, **kwargs):
-    """With TMA loads: bit-count ranks, and of configs that differ only in their pipeline depth the
-    deepest whose operand ring fits the GPU's shared memory. On the H200 (bf16, D=2048, H=5632,
-    M=16384, session 29) the autotuner, timing warm back-to-back calls, picked 3 stages in one run and
-    4 in another, while 3 stages ran 0.02-0.03 ms slower a call in the bench's interleaved, flushed
-    samples. Without TMA: the scan epilogue, one program per tile."""
-    keep = [c for c in configs if c.kwargs["BIT_RANKS"] == kwargs["USE_TMA"]] or configs
-    x = getattr(nargs.get("x"), "base", None)  # the TensorDescriptor's tensor
-    if not kwargs["USE_TMA"] or INTERPRET or x is None:
-        return keep
-    room = getattr(_properties(x.device), "shared_memory_per_block_optin", None)
-    if room is None:
-        return keep
-    deepest = {}
-    for c in keep:
-        if _operand_ring_bytes(c, kwargs["BLOCK_N"], x.element_size()) + _SMEM_SLACK > room:
-            continue
-        shape = (c.num_warps, *sorted((k, v) for k, v in c.kwargs.items()))
-        if shape not in deepest or c.num_stages > deepest[shape].num_stages:
-            deepest[shape] = c
-    return list(deepest.values()) or keep
-
-
-@triton.autotune(configs=_configs(), key=["D", "H", "USE_TMA", "IEEE"], prune_configs_by={"early_config_prune": _prune_configs})
+@triton.autotune(configs=autotune_configs(), key=["D", "H", "USE_TMA", "IEEE"],
+                 prune_configs_by={"early_config_prune": prune_configs})
 @triton.heuristics({"EVEN_K": lambda a: a["D"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["H"] % a["BLOCK_N"] == 0,
                     "EVEN_M": lambda a: a["M"] % a["BLOCK_M"] == 0})
 @triton.jit
@@ -411,8 +323,8 @@ def _store_slot_pairs(pair_row, rank, col, val, keep):
     """``_store_pairs`` into paired slots: the 8-byte pair ``pair_row[rank]`` = ``(col, val)``, by
     two 4-byte stores from one address. One 8-byte store would need the two values in adjacent
     registers, which costs a move each (sm90 SASS: 2744 instructions with two separate buffers,
-    2728 with 8-byte stores, 2592 with these; on the H200 the 8-byte stores ran 0.01 ms slower,
-    these 0.003-0.009 faster than separate buffers, session 30)."""
+    2728 with 8-byte stores, 2592 with these; on the H200 0.003-0.009 ms a call faster than
+    separate buffers)."""
     tl.inline_asm_elementwise(
         """{
         .reg .pred p;
@@ -428,37 +340,6 @@ def _store_slot_pairs(pair_row, rank, col, val, keep):
         [pair_row, rank, col, val.to(tl.int32, bitcast=True), keep.to(tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1,
     )
-
-
-def _persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent launch: one per SM (three in the interpreter, to loop over tiles)."""
-    if INTERPRET or device.type != "cuda":
-        return 3
-    return _properties(device).multi_processor_count
-
-
-def _sm90_or_newer(device: torch.device) -> bool:
-    """Whether ``device`` is a Hopper or newer GPU."""
-    return _properties(device).major >= 9
-
-
-def _properties(device: torch.device):
-    """``torch.cuda.get_device_properties``, cached per device: the uncached query
-    (``get_device_capability``) took 5.5 us per call on the H200's host (session 19)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    props = _PROPERTIES.get(index)
-    if props is None:
-        props = _PROPERTIES.setdefault(index, torch.cuda.get_device_properties(index))
-    return props
-
-
-_PROPERTIES: dict = {}
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA needs a unit last stride, 16-byte aligned rows and base, and a non-empty shape."""
-    e = t.element_size()
-    return t.stride(1) == 1 and (t.stride(0) * e) % 16 == 0 and t.data_ptr() % 16 == 0 and t.shape[1] > 0
 
 
 def gate_pack(
@@ -496,7 +377,7 @@ def gate_pack(
     check_matrix("w", w, "[H, D]")
     m, d = x.shape
     h = w.shape[0]
-    check_tensor("x", x, (m, d), _DTYPES, x.device)
+    check_tensor("x", x, (m, d), FLOAT_DTYPES, x.device)
     check_tensor("w", w, (h, d), (x.dtype,), x.device)
     if b is not None:
         check_tensor("b", b, (h,), FLOAT_DTYPES, x.device)
@@ -517,16 +398,16 @@ def gate_pack(
         use_tma = (
             not INTERPRET
             and x.dtype != torch.float32
-            and _sm90_or_newer(x.device)
-            and _tma_ok(x)
-            and _tma_ok(w)
-            and _tma_fits(x.device, x.element_size(), layout.tile_n)
+            and sm90_or_newer(x.device)
+            and tma_ok(x)
+            and tma_ok(w)
+            and tma_fits(x.device, x.element_size(), layout.tile_n)
         )
-    elif use_tma and not (_tma_ok(x) and _tma_ok(w)):
+    elif use_tma and not (tma_ok(x) and tma_ok(w)):
         raise ValueError("use_tma=True needs x and w with unit last stride and 16-byte aligned rows")
-    elif use_tma and not _tma_fits(x.device, x.element_size(), layout.tile_n):
+    elif use_tma and not tma_fits(x.device, x.element_size(), layout.tile_n):
         raise ValueError(f"use_tma=True: no TMA config of gate_pack fits this GPU's "
-                         f"{_properties(x.device).shared_memory_per_block_optin} bytes of shared memory per "
+                         f"{device_properties(x.device).shared_memory_per_block_optin} bytes of shared memory per "
                          "block; pass use_tma=False (or None, which chooses)")
     if use_tma:
         # Block shapes are placeholders; the autotune pre-hook sets them per config.
@@ -536,13 +417,16 @@ def gate_pack(
         xa, wa = x, w
     def grid(meta):
         tiles = cdiv(m, meta["BLOCK_M"]) * n_tiles
-        return (min(tiles, _persistent_programs(x.device)) if meta["PERSISTENT"] else tiles,)
+        return (min(tiles, persistent_programs(x.device)) if meta["PERSISTENT"] else tiles,)
 
     launch(_gate_pack_kernel, grid,
         xa, wa, b if b is not None else packed.val, packed.idx, packed.val, packed.count,
         m, d, h, n_tiles,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         HAS_BIAS=b is not None, USE_TMA=bool(use_tma), IEEE=x.dtype == torch.float32, INTERPRET=INTERPRET,
-        SLOTS=layout.slots, BLOCK_N=layout.tile_n, GROUP_M=_GROUP_M, PAIRED=bool(paired),
+        SLOTS=layout.slots, BLOCK_N=layout.tile_n, GROUP_M=GROUP_M, PAIRED=bool(paired),
     )
     return packed
+
+
+KERNELS = {"gate_pack": _gate_pack_kernel}

@@ -2,7 +2,7 @@
 
 A sparse training step launches 21 Triton kernels, and on the H200's hosts Triton 3.6 spends
 38–64 µs in ``JITFunction.run`` per launch (80–180 µs through an autotuner): 1.2–1.6 ms of host
-time per step, which made the step host-bound (docs/benchmarks.md, session 13). Much of that is
+time per step, which makes the step host-bound (docs/benchmarks.md). Much of that is
 work whose result does not change between calls of one launch site: turning the options into a
 cache key string, building the launch hooks' metadata and calling two empty hook chains, and,
 through ``triton.autotune`` and ``triton.heuristics``, rebuilding keys and argument dicts.
@@ -16,7 +16,7 @@ Here a kernel already compiled for a call's exact specialization is launched dir
   unchanged (compiling and autotuning there), and its result is remembered;
 * launch hooks (profilers) still run when any are registered;
 * what remains per call is Triton's binder, the grid and the compiled launcher: 15–27 µs on
-  the H200's hosts (session 17), plus, for an autotuned kernel, one dict of the arguments by
+  the H200's hosts, plus, for an autotuned kernel, one dict of the arguments by
   name that the tuning key, the config's pre-hook and the heuristics all read;
 * while a CUDA graph is captured, a tuning key never seen runs the kernel's first config that
   passes its pruning (with a warning) instead of timing configs, which would break the capture;
@@ -32,7 +32,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .triton_helpers import INTERPRET
+
 # TWELL_PLAIN_LAUNCH=1 sends every launch through ``kernel[grid](...)``: the escape hatch, and the
 # A/B baseline of the benchmarks.
 _plain = os.environ.get("TWELL_PLAIN_LAUNCH", "0")
@@ -59,9 +60,9 @@ Grid = Union[tuple, Callable[[dict], tuple]]
 
 # (id(kernel), device, specialization, options) -> CompiledKernel (kernels live as long as their
 # modules; id() keeps JITFunction.__hash__, which hashes the source key, off the hot path)
-_compiled: dict = {}
+compiled_kernels: dict = {}
 # (id(autotuner), tuning key) -> the Config it chose
-_configs: dict = {}
+chosen_configs: dict = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -79,7 +80,7 @@ def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)`` for a ``triton.jit`` kernel, optionally wrapped in
     ``triton.heuristics`` and one ``triton.autotune``: the same binary, config and results, with
     less host time per call."""
-    layers = None if (PLAIN or _INTERPRET or not _SUPPORTED) else _layers(kernel)
+    layers = None if (PLAIN or INTERPRET or not _SUPPORTED) else _layers(kernel)
     if layers is None:
         kernel[grid](*args, **kwargs)
         return
@@ -89,17 +90,17 @@ def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
         return
     # One dict of the arguments by name serves the tuning key, the pre-hook and every heuristic
     # (Triton rebuilds it for each, which made an autotuned launch cost ~55 µs of host time
-    # against 15-27 µs for a plain one on the H200's hosts, session 17).
+    # against 15-27 µs for a plain one on the H200's hosts).
     named = dict(zip(fn.arg_names, args))
     named.update(kwargs)
     if tuner is not None:
-        key = (id(tuner), _tuning_key(tuner, named))
-        config = _configs.get(key)
+        key = (id(tuner), tuning_key(tuner, named))
+        config = chosen_configs.get(key)
         if config is None and capturing():
-            config = _untuned_config(tuner, args, kwargs)
+            config = untuned_config(tuner, args, kwargs)
         elif config is None:  # Triton tunes (or finds the tuned config) and launches
             kernel[grid](*args, **kwargs)
-            _configs[key] = tuner.best_config
+            chosen_configs[key] = tuner.best_config
             return
         extra = _config_kwargs(config)
         kwargs = {**kwargs, **extra}
@@ -119,7 +120,7 @@ def capturing(device: Optional[torch.device] = None) -> bool:
     return (device is None or device.type == "cuda") and torch.cuda.is_current_stream_capturing()
 
 
-def _untuned_config(tuner: "Autotuner", args: tuple, kwargs: dict):
+def untuned_config(tuner: "Autotuner", args: tuple, kwargs: dict):
     """The config to launch with while a CUDA graph is captured and this key was never tuned:
     timing configs would synchronise, which a capture forbids. The first config that passes the
     kernel's pruning: any config computes the same result; this one may be slower. Not
@@ -153,12 +154,12 @@ def _layers(kernel: Any):
     layers = (tuner, heuristics, inner) if isinstance(inner, JITFunction) else None
     _layer_cache[id(kernel)] = (kernel, layers)  # the kernel is kept alive, so its id stays its own
     if layers is not None and tuner is not None:
-        _tuners[id(tuner)] = (inner.__name__, tuple(tuner.keys))
+        tuner_names[id(tuner)] = (inner.__name__, tuple(tuner.keys))
     return layers
 
 
 # id(autotuner) -> (its kernel's name, its key's argument names), for tuned_configs
-_tuners: dict = {}
+tuner_names: dict = {}
 
 
 def tuned_configs() -> list[tuple[str, str, str]]:
@@ -167,8 +168,8 @@ def tuned_configs() -> list[tuple[str, str, str]]:
     not on the data, so the first call of a key picks the config every later call with that key
     runs, whatever its density or neuron skew."""
     out = []
-    for (tuner_id, key), config in _configs.items():
-        name, names = _tuners.get(tuner_id, ("?", ()))
+    for (tuner_id, key), config in chosen_configs.items():
+        name, names = tuner_names.get(tuner_id, ("?", ()))
         shown = [f"{n}={v}" for n, v in zip(names, key)] + [str(v) for v in key[len(names):]]
         out.append((name, " ".join(shown), str(config)))
     return out
@@ -179,13 +180,13 @@ def _launch_jit(fn: "JITFunction", grid: Grid, args: tuple, kwargs: dict) -> Non
     binder = fn.device_caches[device][4]
     bound, specialization, options = binder(*args, **kwargs)
     key = (id(fn), device, tuple(specialization), tuple(options.items()))
-    compiled = _compiled.get(key)
+    compiled = compiled_kernels.get(key)
     if compiled is None:  # Triton compiles (or finds on disk) and launches it
         compiled = fn.run(*args, grid=grid, warmup=False, **kwargs)
         if hasattr(compiled, "result"):  # asynchronous compilation
             compiled = compiled.result()
         if compiled is not None:
-            _compiled[key] = compiled
+            compiled_kernels[key] = compiled
         return
     if callable(grid):
         grid = grid(bound)
@@ -208,7 +209,7 @@ def _listening(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _tuning_key(tuner: "Autotuner", named: dict) -> tuple:
+def tuning_key(tuner: "Autotuner", named: dict) -> tuple:
     """What ``Autotuner.run`` keys its choice on, from the call's arguments by name: the values of
     its ``key`` arguments and the dtype of every kernel argument that has one."""
     params = _param_names.get(id(tuner))

@@ -14,7 +14,7 @@ The sparse algorithm, which the Triton kernels implement too:
    ``x_t · Wu_j + bu_j`` and ``h = relu(g) · up`` are computed and ``h · Wd[:, j]`` is accumulated
    into ``out[t]``. Dense rows use the dense formula. Nothing is dropped.
 4. ``ffn_backward_ref``: every product is restricted to the same pairs; the L1 gradient
-   ``l1_scale / M · sign(h)`` is added to ``dh`` (DESIGN.md section 4).
+   ``l1_scale / M · sign(h)`` is added to ``dh`` (docs/architecture.md, 'The L1 regularizer').
 
 Exactness guard. The sparse path skips ``0 · v`` products that the dense path performs. They are
 zero unless ``v`` is Inf/NaN, in which case dense PyTorch yields NaN. So a row is computed densely
@@ -137,12 +137,13 @@ def gate_pack_ref(x: Tensor, w: Tensor, b: Optional[Tensor] = None, layout: Twel
 # ---------------------------------------------------------------------------------------------
 
 
-def _finite(*tensors: Optional[Tensor]) -> Tensor:
+def finite(*tensors: Optional[Tensor]) -> Tensor:
+    """0-d bool: every element of every given tensor is finite (``None`` entries are skipped)."""
     flags = [torch.isfinite(t).all() for t in tensors if t is not None]
     return torch.stack(flags).all()
 
 
-def _may_overflow(rows: Tensor, weight_rows: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+def may_overflow(rows: Tensor, weight_rows: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Tensor:
     """bool [R]: can ``rows[r] · weight_rows[j] (+ bias[j])`` reach Inf in ``dtype`` for some j?"""
     acc = accumulation_dtype(dtype)
     bound = torch.linalg.vector_norm(rows.to(acc), dim=-1) * torch.linalg.vector_norm(weight_rows.to(acc), dim=-1).max()
@@ -158,7 +159,7 @@ def guard_bounds_ref(wg, wu, wd, bg, bu, bd):
     bias is non-finite, and ``limit`` the dtype's largest value. Norms are fp32 sums of squares."""
     dev, f32 = wu.device, torch.float32
     zero = torch.zeros((), dtype=f32, device=dev)
-    offset = torch.where(_finite(wg, wu, wd, bg, bu, bd), zero, float("inf"))
+    offset = torch.where(finite(wg, wu, wd, bg, bu, bd), zero, float("inf"))
     limit = torch.full((), torch.finfo(wu.dtype).max, dtype=f32, device=dev)
     if wg is None:
         return torch.stack([zero, offset, limit]), torch.stack([zero, zero, limit])
@@ -170,7 +171,7 @@ def guard_bounds_ref(wg, wu, wd, bg, bu, bd):
 
 
 def flag_rows_ref(a, a_bound, b=None, b_bound=None, count=None, slots: int = 0, flag_overflow: bool = False):
-    """``dense_rows.flag_rows``: ``(flags, (Σ count, rows flagged or overflowed))``. A row is
+    """``row_lists.flag_rows``: ``(flags, (Σ count, rows flagged or overflowed))``. A row is
     flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32), the same for ``b``, and
     with ``flag_overflow`` when a tile of ``count`` overflows ``slots``.
 
@@ -196,8 +197,8 @@ def dense_rows_ref(x, wg, wu, wd, bg, bu, bd, packed: TwellPacked) -> Tensor:
     """bool [M]: forward rows that take the dense path (overflow, or the finiteness guard)."""
     rows = packed.overflow_rows() | ~torch.isfinite(x).all(-1)
     if wg is not None and x.shape[0] > 0:
-        rows |= _may_overflow(x, wu, bu, x.dtype)
-    return rows | ~_finite(wg, wu, wd, bg, bu, bd)
+        rows |= may_overflow(x, wu, bu, x.dtype)
+    return rows | ~finite(wg, wu, wd, bg, bu, bd)
 
 
 def backward_dense_rows_ref(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked) -> Tensor:
@@ -205,7 +206,7 @@ def backward_dense_rows_ref(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked
     that are non-finite or, for a gated FFN, whose ``dh = dout Wd`` may overflow."""
     rows = dense_rows_ref(x, wg, wu, wd, bg, bu, bd, packed) | ~torch.isfinite(dout).all(-1)
     if wg is not None and x.shape[0] > 0:
-        rows |= _may_overflow(dout, wd.T, None, dout.dtype)
+        rows |= may_overflow(dout, wd.T, None, dout.dtype)
     return rows
 
 
@@ -328,9 +329,10 @@ class Grads(NamedTuple):
 
 
 def ffn_backward_ref(dout, x, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val: Tensor, l1_scale: Tensor) -> Grads:
-    """Gradients of ``loss + l1_scale · L1`` where ``L1 = (1/M) Σ |h|`` (DESIGN.md section 4).
+    """Gradients of ``loss + l1_scale · L1`` where ``L1 = (1/M) Σ |h|`` (docs/architecture.md,
+    'The L1 regularizer').
 
-    ``l1_scale`` is the 0-d coefficient for this layer: ``l1_coeff / n_layers``.
+    ``l1_scale`` is the 0-d coefficient of this layer's L1 term: ``l1_coeff · l1_factor``.
     """
     acc = compute_dtype(x.dtype)
     dtype = x.dtype

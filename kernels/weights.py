@@ -4,7 +4,7 @@
   ``nn.Linear`` down weight ``Wd [D, H]`` is a contiguous row the pair loops can gather (and, in
   the backward, ``dWd`` from the rows of ``dWdᵀ`` the kernel writes). A tiled transpose: each
   program moves a ``64 × 64`` tile, read along one dimension and written along the other.
-* ``guard_bounds(...)``: the bounds of the finiteness guard (``dense_rows.flag_rows``): the largest
+* ``guard_bounds(...)``: the bounds of the finiteness guard (``row_lists.flag_rows``): the largest
   row norm of ``Wu``, the largest column norm of ``Wd``, the largest ``|bu|``, and whether every
   weight and bias is finite. One launch reads each weight once (norms as fp32 sums of squares,
   reduced across programs with atomic maxima) and its last program turns them into bounds.
@@ -13,7 +13,7 @@
 changes (an optimizer step, or every replay of a CUDA graph, where no host code runs to notice),
 so their cost is paid per training step. On the H200 at D=2048, H=5632 (bf16): the transpose 33 µs
 against 79 µs for PyTorch's strided copy, the bounds 0.08–0.09 ms against 0.47–0.58 ms for the ~10
-tensor ops they replaced (docs/benchmarks.md, session 12).
+tensor ops that compute them (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .dense_rows import INTERPRET, jit_helper, zeroed_scratch
 from .launch import cdiv, launch
+from .tickets import zeroed_scratch
+from .triton_helpers import INTERPRET, jit_helper
 
-_TILE = 16 if INTERPRET else 64  # transpose tile
-_ROWS = 4 if INTERPRET else 32  # norm rows (or columns) per program
-_CHUNK = 16 if INTERPRET else 128  # reduced elements per step
+TRANSPOSE_TILE = 16 if INTERPRET else 64  # transpose tile
+NORM_ROWS = 4 if INTERPRET else 32  # norm rows (or columns) per program
+NORM_CHUNK = 16 if INTERPRET else 128  # reduced elements per step
 # facts int32 [5]: max Σ Wu_j², max Σ Wd[:, j]² (fp32 bits), any non-finite (0/1), max |bu| (fp32
 # bits), and the programs' ticket
 _UP, _DOWN, _BAD, _BIAS, _TICKET = (tl.constexpr(i) for i in range(5))
@@ -55,8 +56,8 @@ def transposed(t: torch.Tensor) -> torch.Tensor:
     t = t if t.stride(1) == 1 else t.contiguous()
     r, c = t.shape
     out = torch.empty(c, r, dtype=t.dtype, device=t.device)
-    launch(_transpose_kernel, (cdiv(r, _TILE), cdiv(c, _TILE)), t, out, r, c, t.stride(0),
-           out.stride(0), TILE=_TILE, num_warps=4)
+    launch(_transpose_kernel, (cdiv(r, TRANSPOSE_TILE), cdiv(c, TRANSPOSE_TILE)), t, out, r, c, t.stride(0),
+           out.stride(0), TILE=TRANSPOSE_TILE, num_warps=4)
     return out
 
 
@@ -67,9 +68,9 @@ def _block_facts(ptr, j, j_ok, K, stride_j, stride_k, out_ptr, ROWS: tl.constexp
     reduced over ``K`` elements; NaN sums become +Inf so the atomic maximum stays ordered. With
     ``STORE``, the vectors are also written as contiguous rows of ``out [*, K]``."""
     k = tl.arange(0, CHUNK)
-    # Element-wise partial sums, reduced once at the end: a reduction per step put its shuffles
-    # between one step's loads and the next (47 us for the 2B shape's three weights on the H200,
-    # 1.5 TB/s; session 19).
+    # Element-wise partial sums, reduced once at the end, so that no reduction's shuffles stand
+    # between one step's loads and the next (a reduction per step: 47 us for the 2B shape's three
+    # weights on the H200, 1.5 TB/s).
     sq = tl.full((ROWS, CHUNK), 0.0, tl.float32)
     bad = tl.full((ROWS, CHUNK), 0, tl.int32)
     for k0 in range(0, K, CHUNK):
@@ -153,7 +154,7 @@ def _weight_facts_kernel(
 
 def guard_bounds(wg: Optional[torch.Tensor], wu: torch.Tensor, wd: torch.Tensor, bg: Optional[torch.Tensor],
                  bu: Optional[torch.Tensor], bd: Optional[torch.Tensor], *, reuse_tickets: bool = False):
-    """``(forward, backward)`` fp32 ``[3]`` bounds for ``dense_rows.flag_rows``: the finiteness
+    """``(forward, backward)`` fp32 ``[3]`` bounds for ``row_lists.flag_rows``: the finiteness
     guard of ``reference.dense_rows_ref`` on rows of x, and the ``dout`` terms of
     ``reference.backward_dense_rows_ref`` on rows of dout (``reference.guard_bounds_ref``).
 
@@ -187,12 +188,15 @@ def weight_prep(wg: Optional[torch.Tensor], wu: torch.Tensor, wd: torch.Tensor, 
     wg_ = (wg if wg.stride(1) == 1 else wg.contiguous()) if gated else wu_
     store = down_rows and not wd.t().is_contiguous()
     wdt = torch.empty(h, d, dtype=wd.dtype, device=dev) if store else bounds
-    launch(_weight_facts_kernel, (max(1, cdiv(max(h, d), _ROWS)), 4),
+    launch(_weight_facts_kernel, (max(1, cdiv(max(h, d), NORM_ROWS)), 4),
         wu_, wd, wg_, bg if bg is not None else bounds, bu if bu is not None else bounds,
         bd if bd is not None else bounds, facts, bounds[0], bounds[1], wdt,
         h, d, wu_.stride(0), wd.stride(1), wd.stride(0), wg_.stride(0),
         LIMIT=torch.finfo(wu.dtype).max, GATED=gated, HAS_BG=bg is not None, HAS_BU=bu is not None,
-        HAS_BD=bd is not None, STORE_WDT=store, ROWS=_ROWS, CHUNK=_CHUNK, num_warps=4,
+        HAS_BD=bd is not None, STORE_WDT=store, ROWS=NORM_ROWS, CHUNK=NORM_CHUNK, num_warps=4,
     )
     wd_rows = (wdt.t() if store else wd) if down_rows else None
     return bounds[0], bounds[1], wd_rows
+
+
+KERNELS = {"transpose": _transpose_kernel, "weight_facts": _weight_facts_kernel}

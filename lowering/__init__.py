@@ -1,12 +1,36 @@
 """TwELL ops: ``torch.library`` schemas, fake impls, autograd with the injected L1, device dispatch.
 
 Importing this package registers ``torch.ops.twell.ffn``, ``torch.ops.twell.ffn_train`` and
-``torch.ops.twell.ffn_bwd``. This layer knows nothing about FX graphs.
+``torch.ops.twell.ffn_bwd``. This layer knows nothing about FX graphs. Its public surface, the only
+one ``twell_compile`` uses:
+
+* the ops ``ffn``, ``ffn_train``, ``ffn_bwd``, and their counters (``telemetry``);
+* ``mark_cuda_graph_layers``: layers the backend compiles to run under CUDA graphs;
+* ``force_path("sparse" | "dense")``: a context manager forcing the CUDA path of every call in it;
+* for ``twell bench``: the TwELL layout (``DEFAULT_LAYOUT``, ``TILE_N``), the floors
+  (``gather_floor``, ``active_pairs``) and the autotuner's choices (``tuned_configs``).
 """
 
+from twell_compile.kernels import DEFAULT_LAYOUT, TILE_N
+
 from . import telemetry
+from .cuda_graphs import mark_cuda_graph_layers
+from .dispatch_policy import force_path
 from .ffn import ffn
 from .ffn_bwd import ffn_bwd
 from .ffn_train import ffn_train
+from .measure import active_pairs, gather_floor, tuned_configs
 
-__all__ = ["ffn", "ffn_bwd", "ffn_train", "telemetry"]
+__all__ = [
+    "DEFAULT_LAYOUT",
+    "TILE_N",
+    "active_pairs",
+    "ffn",
+    "ffn_bwd",
+    "ffn_train",
+    "force_path",
+    "gather_floor",
+    "mark_cuda_graph_layers",
+    "telemetry",
+    "tuned_configs",
+]

@@ -47,14 +47,15 @@ def check_ffn_args(x: Tensor, wg: Optional[Tensor], wu: Tensor, wd: Tensor, bg: 
         raise ValueError("twell: bg (gate bias) given without wg (gate weight)")
 
 
-def check_l1_args(x: Tensor, l1_coeff: Tensor, n_layers: int) -> None:
-    """The L1 arguments of the training ops: a 0-d tensor on x's device, and n_layers ≥ 1."""
-    if not isinstance(n_layers, int) or n_layers < 1:
-        raise ValueError(f"twell: n_layers = {n_layers!r}; it counts the rewritten layers the L1 is averaged over and must be >= 1")
-    if l1_coeff.dim() != 0:
-        raise ValueError(f"twell: l1_coeff must be a 0-d tensor, got shape {tuple(l1_coeff.shape)}")
-    if l1_coeff.device != x.device:
-        raise ValueError(f"twell: l1_coeff is on {l1_coeff.device} but x is on {x.device}")
+def check_l1_args(x: Tensor, l1_coeff: Tensor, l1_factor: Tensor) -> None:
+    """The L1 arguments of the training ops: 0-d tensors on x's device."""
+    for name, t in (("l1_coeff", l1_coeff), ("l1_factor", l1_factor)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"twell: {name} must be a 0-d tensor, got {type(t).__name__}")
+        if t.dim() != 0:
+            raise ValueError(f"twell: {name} must be a 0-d tensor, got shape {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"twell: {name} is on {t.device} but x is on {x.device}")
 
 
 def check_dout(dout: Tensor, x: Tensor) -> None:

@@ -9,11 +9,10 @@ gradients are exact.
 The op is defined with ``torch.library.Library`` and an autograd kernel of its own, as
 ``twell::ffn_train`` is, rather than with ``torch.library.custom_op``, whose Python wrappers
 (autograd, a ``torch._dynamo.disable`` frame, an aliasing check) cost every call host time: on
-our CPU 38 µs of dispatch against 22 µs this way; on an H200 host, a sparse call's host time went
-from 422-478 to 403-415 µs at best and from 439-717 to 423-676 µs in the median of interleaved
-rounds (docs/benchmarks.md, session 35). Called with real tensors and nothing to record for
-autograd, the autograd kernel runs the implementation directly; traced (``torch.compile``,
-``make_fx``, fake tensors) it redispatches the op, so graphs record it.
+an H200 host a sparse call's best host time is 403-415 µs this way against 422-478 µs. Called
+with real tensors and nothing to record for autograd, the autograd kernel runs the
+implementation directly; traced (``torch.compile``, ``make_fx``, fake tensors) it redispatches
+the op, so graphs record it.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from torch import Tensor
 from . import impl
 from .checks import check_ffn_args
 from .ffn_bwd import backward_grads, plain_eager, real_tensors
-from .ffn_train import below_autograd, ffn_train, present_grads
+from .ffn_train import FUNCTORCH_UNSUPPORTED, below_autograd, ffn_train, present_grads
 
 _LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the other ops
 _LIB.define(
@@ -35,7 +34,7 @@ _LIB.define(
 )
 
 
-def _ffn(
+def ffn_impl(
     x: Tensor,
     wg: Optional[Tensor],
     wu: Tensor,
@@ -55,7 +54,8 @@ def _ffn(
         layer: telemetry id (``twell_compile.stats()``).
 
     Returns:
-        ``[..., D]`` in x's dtype. It equals the dense FFN for every input (DESIGN.md section 5).
+        ``[..., D]`` in x's dtype. It equals the dense FFN for every input (docs/architecture.md,
+        'Exactness contract').
 
     Example::
 
@@ -80,7 +80,7 @@ class _Ffn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, x, wg, wu, wd, bg, bu, bd, layer):
         args = (x, wg, wu, wd, bg, bu, bd, layer)
-        out = _ffn(*args) if plain_eager(args) else below_autograd(_OP, keyset, args)
+        out = ffn_impl(*args) if plain_eager(args) else below_autograd(_OP, keyset, args)
         ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd)
         ctx.layer = layer
         return out
@@ -89,8 +89,8 @@ class _Ffn(torch.autograd.Function):
     def backward(ctx, dout):
         x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        _, idx, val, count, up_val = ffn_train(x, wg, wu, wd, bg, bu, bd, zero, 1, ctx.layer)
-        grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, zero, 1,
+        _, idx, val, count, up_val = ffn_train(x, wg, wu, wd, bg, bu, bd, zero, zero, ctx.layer)
+        grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, zero, zero,
                                ctx.layer)
         return (None, *present_grads(grads, (wg, bg, bu, bd)), None)
 
@@ -98,13 +98,15 @@ class _Ffn(torch.autograd.Function):
 def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, layer):
     args = (x, wg, wu, wd, bg, bu, bd, layer)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        if torch._C._are_functorch_transforms_active():
+            raise RuntimeError(FUNCTORCH_UNSUPPORTED)
         return _Ffn.apply(keyset, *args)
     if real_tensors(args):  # no grad to record: the implementation, with no second dispatch
-        return _ffn(*args)
+        return ffn_impl(*args)
     return below_autograd(_OP, keyset, args)
 
 
-_LIB.impl("ffn", _ffn, "CompositeExplicitAutograd")
+_LIB.impl("ffn", ffn_impl, "CompositeExplicitAutograd")
 _LIB.impl("ffn", _autograd_kernel, "Autograd", with_keyset=True)
 ffn = torch.ops.twell.ffn
 _OP = ffn.default

@@ -1,8 +1,9 @@
 """``twell::ffn_bwd``: the backward of a TwELL FFN, with the L1 gradient injected.
 
-Computes the gradients of ``loss + (l1_coeff / n_layers) · L1`` for one layer, where
-``L1 = (1/T) Σ_t Σ_j |h[t, j]|`` over the T tokens (DESIGN.md section 4): ``dh`` at the active
-(token, neuron) pairs gets ``l1_coeff / (n_layers · T) · sign(h)`` added before it is
+Computes the gradients of ``loss + l1_coeff · l1_factor · L1`` for one layer, where
+``L1 = (1/T) Σ_t Σ_j |h[t, j]|`` over the T tokens and ``l1_factor = S / n`` (the backward's loss
+scale over the model's layer count; docs/architecture.md, 'The L1 regularizer'): ``dh`` at the
+active (token, neuron) pairs gets ``l1_coeff · l1_factor / T · sign(h)`` added before it is
 back-propagated. Every product runs on the active pairs only; dense rows run densely.
 """
 
@@ -12,6 +13,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from twell_compile.kernels import TwellPacked
 
 from . import impl
 from .checks import check_dout, check_ffn_args, check_l1_args
@@ -34,7 +37,7 @@ def ffn_bwd(
     count: Tensor,
     up_val: Tensor,
     l1_coeff: Tensor,
-    n_layers: int,
+    l1_factor: Tensor,
     layer: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(dx, dwg, dwu, dwd, dbg, dbu, dbd)`` of one TwELL FFN.
@@ -44,28 +47,28 @@ def ffn_bwd(
         x, wg, wu, wd, bg, bu, bd: the forward's inputs (``nn.Linear`` layouts).
         idx, val, count, up_val: the TwELL tensors ``twell::ffn_train`` returned.
         l1_coeff: 0-d tensor on x's device; 0 turns the L1 term off exactly.
-        n_layers: rewritten layers the L1 mean runs over (≥ 1).
+        l1_factor: 0-d tensor on x's device, read now: the loss scale over the model's layer count.
         layer: telemetry id of the layer.
 
     Returns:
         One gradient per tensor input; an absent weight or bias gets an empty ``[0]`` tensor
         (ops cannot return None).
     """
-    return _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer)
+    return _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_factor, layer)
 
 
-def _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer, *, placeholders=True):
+def _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_factor, layer, *, placeholders=True):
     """``twell::ffn_bwd``'s implementation; ``placeholders=False`` gives ``None`` for absent inputs
     instead of the op's empty tensors (autograd wants ``None`` there: no allocation)."""
     check_ffn_args(x, wg, wu, wd, bg, bu, bd)
-    check_l1_args(x, l1_coeff, n_layers)
+    check_l1_args(x, l1_coeff, l1_factor)
     check_dout(dout, x)
-    packed = impl.TwellPacked(
+    packed = TwellPacked(
         idx=idx.reshape(-1, *idx.shape[-2:]), val=val.reshape(-1, *val.shape[-2:]), count=count.reshape(-1, count.shape[-1])
     )
     up2d = up_val.reshape(-1, *up_val.shape[-2:]) if wg is not None else up_val  # plain: empty
     grads = impl.backward(
-        impl.flatten_tokens(dout), impl.flatten_tokens(x), wg, wu, wd, bg, bu, bd, packed, up2d, l1_coeff / n_layers,
+        impl.flatten_tokens(dout), impl.flatten_tokens(x), wg, wu, wd, bg, bu, bd, packed, up2d, l1_coeff * l1_factor,
         layer=layer,
     )
 
@@ -77,14 +80,14 @@ def _grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n
     return (grads.dx.reshape(x.shape), out(grads.dwg), out(grads.dwu), out(grads.dwd), out(grads.dbg), out(grads.dbu), out(grads.dbd))
 
 
-def backward_grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer):
+def backward_grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_factor, layer):
     """``torch.ops.twell.ffn_bwd(...)`` for the training ops' autograd. In plain eager mode (real
     tensors, no dispatch mode, no functorch transform, grad mode off) it calls the implementation
-    directly: the op's dispatch cost ~50 µs of host time per call on the H200's hosts
-    (docs/benchmarks.md, session 21), in the gap between a step's forward and backward, where the
-    GPU waits for it; absent inputs then get ``None``, not the op's empty placeholders. Traced
-    (torch.compile, make_fx, fake tensors), it is the op, so graphs still record it."""
-    args = (dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer)
+    directly: the op's dispatch costs ~50 µs of host time per call on the H200's hosts, in the gap
+    between a step's forward and backward, where the GPU waits for it; absent inputs then get
+    ``None``, not the op's empty placeholders. Traced (torch.compile, make_fx, fake tensors), it is
+    the op, so graphs still record it."""
+    args = (dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_factor, layer)
     if plain_eager(args):
         return _grads(*args, placeholders=False)
     return ffn_bwd(*args)
@@ -109,7 +112,7 @@ def real_tensors(args) -> bool:
 
 
 @ffn_bwd.register_fake
-def _(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, n_layers, layer):
+def _(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_factor, layer):
     def like(t):
         return x.new_empty(_EMPTY) if t is None else torch.empty_like(t)
 

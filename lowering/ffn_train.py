@@ -2,16 +2,16 @@
 
 It returns the FFN output plus the compact TwELL tensors its backward needs, so nothing dense of
 size ``[tokens, H]`` is saved. Its autograd calls ``twell::ffn_bwd``, which injects the gradient
-of ``l1_coeff · L1`` (DESIGN.md section 4). ``l1_coeff`` is a 0-d tensor, so changing its value
-(schedules, warm-up) never recompiles.
+of ``l1_coeff · L1`` (docs/architecture.md, 'The L1 regularizer'). ``l1_coeff`` is a 0-d tensor,
+so changing its value (schedules, warm-up) never recompiles.
 
 The op is defined with ``torch.library.Library`` and has an autograd kernel of its own (an
 ``autograd.Function``) rather than ``torch.library.custom_op``'s: that one fills the schema's
 defaults on every call with grad (a loop that rebuilds the schema's argument list twice per
-argument), which made a training forward cost 54 µs of dispatch against 14 µs for an
-``autograd.Function`` on our CPU (docs/benchmarks.md, session 22). In plain eager mode the
-forward also calls the implementation directly, as the backward does (``ffn_bwd.backward_grads``);
-traced (``torch.compile``, ``make_fx``, fake tensors) it redispatches the op, so graphs record it.
+argument), 54 µs of dispatch per training forward on a CPU against 14 µs for an
+``autograd.Function``. In plain eager mode the forward also calls the implementation directly, as
+the backward does (``ffn_bwd.backward_grads``); traced (``torch.compile``, ``make_fx``, fake
+tensors) it redispatches the op, so graphs record it.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from .ffn_bwd import backward_grads, plain_eager, real_tensors
 _LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the other ops
 _LIB.define(
     "ffn_train(Tensor x, Tensor? wg, Tensor wu, Tensor wd, Tensor? bg, Tensor? bu, Tensor? bd, Tensor l1_coeff, "
-    "SymInt n_layers, SymInt layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor l1_factor, SymInt layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     tags=(torch.Tag.needs_contiguous_strides, torch.Tag.pt2_compliant_tag),
 )
 
 
-def _ffn_train(
+def ffn_train_impl(
     x: Tensor,
     wg: Optional[Tensor],
     wu: Tensor,
@@ -42,7 +42,7 @@ def _ffn_train(
     bu: Optional[Tensor],
     bd: Optional[Tensor],
     l1_coeff: Tensor,
-    n_layers: int,
+    l1_factor: Tensor,
     layer: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of a gated (``wg`` given) or plain ReLU FFN for training.
@@ -52,8 +52,11 @@ def _ffn_train(
         wg, wu: ``[H, D]`` gate and up weights (``nn.Linear`` layout); ``wg=None`` is a plain FFN.
         wd: ``[D, H]`` down weight.
         bg, bu, bd: optional biases ``[H]``, ``[H]``, ``[D]``.
-        l1_coeff: 0-d tensor on x's device, the L1 coefficient (read only in backward).
-        n_layers: number of rewritten layers the L1 is averaged over.
+        l1_coeff: 0-d float32 tensor on x's device: the layer's L1 coefficient for this forward (a
+            value that later writes do not change: the caller's snapshot).
+        l1_factor: 0-d float32 tensor on x's device, read when the backward runs: ``S / n``, the
+            loss scale of that backward over the number of layers of the model, which the L1
+            term is a mean over (docs/architecture.md, 'The L1 regularizer').
         layer: telemetry id (``twell_compile.stats()``).
 
     Returns:
@@ -64,10 +67,10 @@ def _ffn_train(
     Example::
 
         >>> x, wg, wu, wd = torch.randn(8, 16), torch.randn(64, 16), torch.randn(64, 16), torch.randn(16, 64)
-        >>> out = torch.ops.twell.ffn_train(x, wg, wu, wd, None, None, None, torch.tensor(2e-5), 1, 0)[0]
+        >>> out = torch.ops.twell.ffn_train(x, wg, wu, wd, None, None, None, torch.tensor(2e-5), torch.tensor(1.0), 0)[0]
     """
     check_ffn_args(x, wg, wu, wd, bg, bu, bd)
-    check_l1_args(x, l1_coeff, n_layers)
+    check_l1_args(x, l1_coeff, l1_factor)
     lead = x.shape[:-1]
     res = impl.forward(impl.flatten_tokens(x), wg, wu, wd, bg, bu, bd, layer=layer, training=True)
     shapes = impl.saved_shapes(lead, wu.shape[0], wg is not None)
@@ -81,7 +84,7 @@ def _ffn_train(
 
 
 @torch.library.register_fake("twell::ffn_train", lib=_LIB)
-def _(x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
+def _(x, wg, wu, wd, bg, bu, bd, l1_coeff, l1_factor, layer):
     shapes = impl.saved_shapes(x.shape[:-1], wu.shape[0], wg is not None)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return (
@@ -98,37 +101,45 @@ class _Train(torch.autograd.Function):
     autograd), with the op's inputs and TwELL outputs saved for its backward."""
 
     @staticmethod
-    def forward(ctx, keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
-        args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer)
-        output = _ffn_train(*args) if plain_eager(args) else below_autograd(_OP, keyset, args)
+    def forward(ctx, keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, l1_factor, layer):
+        args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, l1_factor, layer)
+        output = ffn_train_impl(*args) if plain_eager(args) else below_autograd(_OP, keyset, args)
         _, idx, val, count, up_val = output
         ctx.mark_non_differentiable(idx, val, count, up_val)
         # Without this, eager autograd hands the backward zero-filled gradients of the four TwELL
-        # outputs: four [tokens, n_tiles, slots]-sized memsets per step (~0.13 ms of host time, ~35 us
-        # of GPU time and 135 MB of the step's peak at the 2B shape, docs/benchmarks.md, session 19),
-        # never read.
+        # outputs: four [tokens, n_tiles, slots]-sized memsets per step, never read (on the H200 at
+        # the 2B shape ~0.13 ms of host time, ~35 us of GPU time and 135 MB of the step's peak).
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff)
-        ctx.n_layers, ctx.layer = n_layers, layer
+        # l1_factor is written through .data (no version bump) while a backward may be pending.
+        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_factor)
+        ctx.layer = layer
         return output
 
     @staticmethod
     def backward(ctx, dout, _didx, _dval, _dcount, _dup):
-        x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff = ctx.saved_tensors
+        x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_factor = ctx.saved_tensors
         if dout is None:  # no gradient reached out (grads are not materialised); the L1 term still has one
             dout = torch.zeros_like(x)
         grads = backward_grads(dout.contiguous(), x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff,
-                               ctx.n_layers, ctx.layer)
+                               l1_factor, ctx.layer)
         return (None, *present_grads(grads, (wg, bg, bu, bd)), None, None, None)
 
 
-def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer):
-    args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, n_layers, layer)
+def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, l1_factor, layer):
+    args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, l1_factor, layer)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        if torch._C._are_functorch_transforms_active():
+            raise RuntimeError(FUNCTORCH_UNSUPPORTED)
         return _Train.apply(keyset, *args)
     if real_tensors(args):  # no grad to record: the implementation, with no second dispatch
-        return _ffn_train(*args)
+        return ffn_train_impl(*args)
     return below_autograd(_OP, keyset, args)
+
+
+FUNCTORCH_UNSUPPORTED = (
+    "twell: torch.func transforms (grad, vmap, jacrev, functional_call under grad, ...) cannot "
+    "differentiate through the TwELL ops; run that computation on a model that is not patched or "
+    "compiled with backend='twell'")
 
 
 def below_autograd(op, keyset, args):
@@ -153,7 +164,7 @@ def present_grads(grads, optional_inputs):
     )
 
 
-_LIB.impl("ffn_train", _ffn_train, "CompositeExplicitAutograd")
+_LIB.impl("ffn_train", ffn_train_impl, "CompositeExplicitAutograd")
 _LIB.impl("ffn_train", _autograd_kernel, "Autograd", with_keyset=True)
 ffn_train = torch.ops.twell.ffn_train
 _OP = ffn_train.default

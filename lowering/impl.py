@@ -1,8 +1,8 @@
 """Device dispatch for the TwELL ops: the CPU reference, or the Triton kernels on CUDA.
 
-Both paths compute the same function as the dense FFN for every input (DESIGN.md section 5):
-overflowed rows and rows the finiteness guard flags are computed densely. This module also records
-each call's counters (``telemetry``) without synchronising the host.
+Both paths compute the same function as the dense FFN for every input (docs/architecture.md,
+'Exactness contract'): overflowed rows and rows the finiteness guard flags are computed densely.
+This module also records each call's counters (``telemetry``) without synchronising the host.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from twell_compile.kernels import reference
-from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellPacked
+from twell_compile.kernels import DEFAULT_LAYOUT, TwellPacked, reference
 
 from . import telemetry
 
@@ -45,10 +44,14 @@ def _no_autocast(fn):
 def forward(x2d: Tensor, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool) -> reference.ForwardResult:
     """One FFN forward on ``[M, D]`` tokens; records ``layer``'s counters."""
     if x2d.is_cuda:
-        from . import cuda_impl
+        from . import cuda_ffn
 
-        return cuda_impl.forward(x2d, wg, wu, wd, bg, bu, bd, layer=layer, training=training)[0]
+        return cuda_ffn.forward(x2d, wg, wu, wd, bg, bu, bd, layer=layer, training=training)[0]
     res, sparse = reference.ffn_forward_ref(x2d, wg, wu, wd, bg, bu, bd), True
+    if training:
+        hidden = wu.shape[0]
+        telemetry.record_fired(layer, telemetry.fired_from_packed(res.packed.idx, res.packed.stored_mask(), hidden),
+                               x2d.shape[0])
     telemetry.record(
         layer,
         tokens=x2d.shape[0],
@@ -63,11 +66,12 @@ def forward(x2d: Tensor, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool) 
 @_no_autocast
 def backward(dout2d: Tensor, x2d: Tensor, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val: Tensor, l1_scale: Tensor,
              *, layer: Optional[int] = None) -> reference.Grads:
-    """Gradients of ``loss + l1_scale · L1`` (DESIGN.md section 4) on ``[M, D]`` tokens."""
+    """Gradients of ``loss + l1_scale · L1`` (docs/architecture.md, 'The L1 regularizer') on ``[M, D]``
+    tokens."""
     if x2d.is_cuda:
-        from . import cuda_impl
+        from . import cuda_ffn
 
-        return cuda_impl.backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale, layer=layer)
+        return cuda_ffn.backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale, layer=layer)
     return reference.ffn_backward_ref(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale)
 
 

@@ -13,8 +13,10 @@ from typing import Optional
 
 import torch
 
+from twell_compile.kernels import CallRecord
+
 # Buffer layout, one float64 per field. The first five are a kernel's call record
-# (``kernels.dense_rows.CallRecord``: calls, tokens, active, dense rows, flag = sparse).
+# (the kernels' ``CallRecord``: calls, tokens, active, dense rows, flag = sparse).
 FIELDS = ("calls", "tokens", "active", "dense_rows", "sparse", "l1")
 _CALLS, _TOKENS, _ACTIVE, _DENSE_ROWS, _SPARSE, _L1 = range(len(FIELDS))
 
@@ -77,8 +79,6 @@ def call_record(layer: int, device, sparse: bool):
     """Where the CUDA ops' counting kernel (``dense_list`` after the pair loop on the sparse path,
     ``dense_activation`` on the dense one) stores this call's calls, tokens, active entries, dense rows and path, in
     the launch it makes anyway: no tensor op of its own."""
-    from twell_compile.kernels.dense_rows import CallRecord
-
     buf, scratch = _state(layer, torch.device(device))
     return CallRecord(buf[_CALLS:_SPARSE + 1], scratch, 1.0 if sparse else 0.0)
 
@@ -86,6 +86,47 @@ def call_record(layer: int, device, sparse: bool):
 def record_l1(layer: int, l1: torch.Tensor) -> None:
     """Store a measured L1 value (a device scalar) for ``layer``."""
     buffer(layer, l1.device)[_L1].copy_(l1.detach())
+
+
+# Dead neurons: a neuron is dead when it has not fired in the last DEAD_WINDOW_TOKENS tokens of the
+# calls that sample it (training calls that measure L1: every few eager calls, and every call a
+# CUDA graph records, so replays keep sampling). 2^18 tokens is 16 samples of a 16384-token step.
+DEAD_WINDOW_TOKENS = 1 << 18
+# (layer, device) -> (float64 [H]: the sampled-token count at each neuron's last firing, float64 0-d: tokens sampled)
+_fired: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def record_fired(layer: int, fired: torch.Tensor, tokens: int) -> None:
+    """Record which of the layer's neurons fired (bool ``[H]``) in a sampled call of ``tokens``
+    tokens: two small device ops, no host sync (CUDA graphs replay them)."""
+    key = (layer, str(fired.device))
+    state = _fired.get(key)
+    if state is None or state[0].numel() != fired.numel():
+        with _lock, torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.inference_mode(False):
+            state = _fired[key] = (torch.zeros(fired.numel(), dtype=torch.float64, device=fired.device),
+                                   torch.zeros((), dtype=torch.float64, device=fired.device))
+    last, seen = state
+    seen.add_(float(tokens))
+    torch.where(fired, seen, last, out=last)
+
+
+def fired_from_packed(idx: torch.Tensor, stored: torch.Tensor, hidden: int) -> torch.Tensor:
+    """bool ``[H]``: the neurons a TwELL buffer stores an entry of (``stored``: its stored mask)."""
+    cols = torch.where(stored, idx.long(), hidden).reshape(-1)
+    fired = torch.zeros(hidden + 1, dtype=torch.bool, device=idx.device)
+    return fired.scatter_(0, cols, True)[:hidden]
+
+
+def dead_share(layer: int) -> Optional[float]:
+    """The share of the layer's neurons with no firing in the last ``DEAD_WINDOW_TOKENS`` sampled
+    tokens; None until that many tokens were sampled. Synchronises (``stats()`` only)."""
+    found = [v for (lid, _), v in list(_fired.items()) if lid == layer]
+    if not found:
+        return None
+    last, seen = found[0]
+    if float(seen) < DEAD_WINDOW_TOKENS:
+        return None
+    return float((seen - last > DEAD_WINDOW_TOKENS).double().mean())
 
 
 def snapshot() -> dict[int, dict[str, float]]:
@@ -104,3 +145,4 @@ def snapshot() -> dict[int, dict[str, float]]:
 def reset() -> None:
     with _lock:
         _buffers.clear()
+        _fired.clear()

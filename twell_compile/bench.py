@@ -1,4 +1,5 @@
-"""``twell bench``: TwELL against dense, measured side by side in one process (DESIGN.md section 10).
+"""``twell bench``: TwELL against dense, measured side by side in one process (docs/benchmarks.md,
+'Floors and targets').
 
 Setup, shared by every provider: a gated bf16 FFN (default D=2048, H=5632, M=16384 tokens) whose
 density of active gate units is controlled by a constant feature ``x[:, 0] = 1`` and a gate weight
@@ -19,8 +20,8 @@ per-weight work the op redoes after each update (its ``Wdᵀ`` copy and guard bo
 in real training. With ``--graphs``, dense eager and the TwELL op as dispatched are also each
 captured in one CUDA graph and their replays timed: the GPU's time, without the host's launches.
 With ``--floors``, each inference point up to 5% density also times its floor: the gate GEMM alone and
-a bare gather of the bytes the sparse part reads (``kernels/floors.py``), in the same interleaved
-samples.
+a bare gather of the bytes the sparse part reads (the kernels' ``gather_floor``), in the same
+interleaved samples.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .kernels import DEFAULT_LAYOUT, TILE_N
+from .lowering import DEFAULT_LAYOUT, TILE_N, active_pairs, force_path, gather_floor, tuned_configs
 from .options import COMPILE_MODES
 
 DEFAULT_DENSITIES = (0.003, 0.005, 0.01, 0.02, 0.05, 0.2, 0.5)
@@ -79,7 +80,7 @@ class Row:
     twell_graphed_ms: float = float("nan")
     speedup_graphed: float = float("nan")
     # ``--floors`` (inference): the dense gate GEMM alone and a bare gather of the bytes the sparse
-    # part reads (``kernels.floors``), timed with the others (NaN if not measured)
+    # part reads (``gather_floor``), timed with the others (NaN if not measured)
     gate_gemm_ms: float = float("nan")
     gather_floor_ms: float = float("nan")
 
@@ -174,7 +175,7 @@ def dense_train_step(x, wg, wu, wd, dout, l1_coeff):
 
 
 def twell_train_step(x, wg, wu, wd, dout, coeff):
-    out = torch.ops.twell.ffn_train(x, wg, wu, wd, None, None, None, coeff, 1, 10_000)[0]
+    out = torch.ops.twell.ffn_train(x, wg, wu, wd, None, None, None, coeff, torch.ones_like(coeff), 10_000)[0]
     out.backward(dout)
 
 
@@ -201,11 +202,8 @@ def host_ms(d: int, h: int, *, train: bool, calls: int = 50, reps: int = 5) -> f
     """Host time of one forced sparse TwELL call at M=512 tokens (ms, median of ``reps`` rounds of
     ``calls``), where the GPU waits for the host: a training step (forward, backward, weights
     updated) or an inference call. Near 0.5% density at the benchmark shape a sparse call's GPU
-    work is about as long as its host's work, which differs by 1.5-2x between the H200's hosts
-    (docs/benchmarks.md, sessions 19-22 and 35): this says how fast this run's was, and so whether
-    its eager readings were the host's."""
-    from .lowering import cuda_impl
-
+    work is about as long as its host's work, which differs by 1.5-2x between the H200's hosts:
+    this says how fast this run's was, and so whether its eager readings were the host's."""
     x, wg, wu, wd = make_problem(512, d, h, 0.005, skewed=False)
     if train:
         params = [p.detach().requires_grad_() for p in (x, wg, wu, wd)]
@@ -219,8 +217,7 @@ def host_ms(d: int, h: int, *, train: bool, calls: int = 50, reps: int = 5) -> f
             with torch.no_grad():
                 torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_002)
 
-    forced, cuda_impl.FORCE_PATH = cuda_impl.FORCE_PATH, "sparse"
-    try:
+    with force_path("sparse"):
         for _ in range(5):
             call()
         times = []
@@ -231,8 +228,6 @@ def host_ms(d: int, h: int, *, train: bool, calls: int = 50, reps: int = 5) -> f
                 call()
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) / calls * 1e3)
-    finally:
-        cuda_impl.FORCE_PATH = forced
     return statistics.median(times)
 
 
@@ -259,23 +254,18 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, warmup: int = 5, rep
     """Each of ``fns``' median per-call time over ``reps`` samples of ``calls`` calls.
 
     * Interleaved: round ``r`` samples every provider once, in the given order for even ``r`` and
-      in reverse for odd ones. Timed one after another, providers compare unfairly on the H200:
-      under sustained GEMM load its SM clock drops (1.80 -> 1.53 GHz at ~690 W, session 25), and
-      whichever ran second measured up to ~8% slower.
+      in reverse for odd ones: under sustained GEMM load the H200's SM clock drops (1.80 -> 1.53
+      GHz at ~690 W), which would slow whichever provider ran later.
     * A wait before each sample: the host starts level with the GPU, so no provider spends a lead
-      the host built during another's samples. With one wait after the last sample (session 26)
-      the eager sparse training step at 0.5% density, host-bound on a slow host, read 2.07x of
-      dense against 1.81x alone, back to back.
+      the host built during another's samples.
     * Each call follows an L2 flush and has its own CUDA events, back to back with no wait, as
       ``triton.testing.do_bench`` times them: a layer in a model finds its weights evicted by
       other layers' work, and within a sample the host runs ahead as it does through a model, so a
       provider's host work shows only where it exceeds its GPU work (the flush, ~0.08 ms of GPU
       work on the H200, also gives the host that much of a head start on each call, as other
-      layers' work does in a model). A wait after every few calls (session 25) timed the host's
-      head start once per sample (a sparse training step at 1%: 4.85 ms a step in 4-step samples,
-      4.49 back to back, 4.43 of GPU work); the median over the ``reps * calls`` values discounts
-      each sample's first call, which carries that head start. For a host-bound provider the
-      median is noisy and can read up to ~25% above its back-to-back pace (session 27).
+      layers' work does in a model). The median over the ``reps * calls`` values discounts each
+      sample's first call, which carries the host's head start from the wait. For a host-bound
+      provider the median is noisy: up to ~25% above its back-to-back pace on the H200's hosts.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -328,20 +318,11 @@ def peak_mb(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _forced(path: Optional[str]):
-    from twell_compile.lowering import cuda_impl
-
-    cuda_impl.FORCE_PATH = path
-
-
-def _sparse_forced(fn: Callable[[], object]) -> Callable[[], object]:
+def sparse_forced(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the sparse path forced for its duration only (to interleave it with others)."""
     def call() -> object:
-        _forced("sparse")
-        try:
+        with force_path("sparse"):
             return fn()
-        finally:
-            _forced(None)
     return call
 
 
@@ -372,7 +353,7 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
         ref = dense_ffn(x.double(), wg.double(), wu.double(), wd.double())
         dense_out = dense_ffn(x, wg, wu, wd)
         # the error column is the sparse kernels'
-        twell_out = _sparse_forced(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000))()
+        twell_out = sparse_forced(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000))()
     err_twell, err_dense = rel_error(twell_out, ref), rel_error(dense_out, ref)
     del ref, dense_out, twell_out
     g_dense = g_twell = float("nan")
@@ -383,7 +364,7 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
                 "eager": lambda: dense_ffn(x, wg, wu, wd),
                 "compiled": lambda: compiled(x, wg, wu, wd),
                 "twell": lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_000),
-                "sparse": _sparse_forced(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_001)),
+                "sparse": sparse_forced(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_001)),
                 **floor_fns,
             }, reps=reps)
             t_eager, t_comp, t_twell, t_sparse = t["eager"], t["compiled"], t["twell"], t["sparse"]
@@ -403,7 +384,7 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
         }
         sparse_timed = measured <= max_sparse_train_density  # the forced sparse backward is slow when dense
         if sparse_timed:
-            providers["sparse"] = _sparse_forced(providers["twell"])
+            providers["sparse"] = sparse_forced(providers["twell"])
         t = interleaved_ms(providers, reps=reps)
         t_eager, t_comp, t_twell = t["eager"], t["compiled"], t["twell"]
         mem_dense = peak_mb(lambda: dense_train_step(*params, dout, l1_coeff))
@@ -413,7 +394,7 @@ def bench_point(m, d, h, density, *, skewed, train, compiled_cache, reps, max_sp
         t_sparse = mem_twell = float("nan")
         if sparse_timed:
             t_sparse = t["sparse"]
-            mem_twell = peak_mb(_sparse_forced(lambda: twell_train_step(*params, dout, coeff)))
+            mem_twell = peak_mb(sparse_forced(lambda: twell_train_step(*params, dout, coeff)))
     return Row(
         "training" if train else "inference", m, d, h, "skewed" if skewed else "uniform", density, measured, measured * h,
         t_eager, t_comp, t_twell, t_sparse, t_eager / t_twell, t_comp / t_twell, t_eager / t_sparse, err_twell, err_dense, mem_dense, mem_twell,
@@ -426,8 +407,6 @@ def _floor_providers(x, wg, wu, wd, active) -> dict[str, Callable[[], object]]:
     """``--floors``: the two parts of the inference op at their floors, as providers for
     ``interleaved_ms``: the gate GEMM alone (cuBLAS, no ReLU, no packing) and ``gather_floor`` over
     the problem's active pairs (the bytes ``sparse_ffn`` must read, with none of its arithmetic)."""
-    from .kernels.floors import active_pairs, gather_floor
-
     row_ptr, cols = active_pairs(active)
     wd_t = wd.t().contiguous()  # the op keeps this copy too
     return {"gate GEMM": lambda: F.linear(x, wg), "gather": lambda: gather_floor(x, row_ptr, cols, wu, wd_t)}
@@ -581,8 +560,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("twell bench: needs a CUDA GPU (none found); the CPU path is a reference, not a benchmark", file=sys.stderr)
         return 2
-    import twell_compile.lowering  # noqa: F401  (registers torch.ops.twell)
-
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.e2e:
         return _main_e2e(args)
@@ -618,10 +595,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def write_tuned(path: Path) -> Path:
-    """The autotuner's choices of this process (``kernels.launch.tuned_configs``), one per line. The
-    first point tuned decides each kernel's config for every later point of the same shapes."""
-    from .kernels.launch import tuned_configs
-
+    """The autotuner's choices of this process (``tuned_configs``), one per line. The first point
+    tuned decides each kernel's config for every later point of the same shapes."""
     lines = [f"{kernel}  {key}  ->  {config}" for kernel, key, config in tuned_configs()]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n" if lines else "no kernel was autotuned through kernels.launch\n")

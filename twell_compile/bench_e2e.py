@@ -1,10 +1,11 @@
 """``twell bench --e2e``: a Hugging Face Llama end to end, ``backend="twell"`` against Inductor.
 
-DESIGN.md section 10. The model is ``LlamaForCausalLM`` in the paper's 2B shape (hidden 2048,
-intermediate 5632, 38 layers, 32 heads, vocab 49152) with ``hidden_act="relu"`` and
-``mlp_bias=True``, randomly initialised. A random model is ~50% dense, so each gate bias is set
-(``calibrate_gate_biases``) to put every neuron at the target density on a calibration batch,
-one layer after the other, since each layer's bias shifts the inputs of the next.
+See docs/benchmarks.md, 'Floors and targets'. The model is ``LlamaForCausalLM`` in the paper's 2B
+shape (hidden 2048, intermediate 5632, 38 layers, 32 heads, vocab 49152) with
+``hidden_act="relu"`` and ``mlp_bias=True``, randomly initialised. A random model is ~50% dense,
+so each gate bias is set (``calibrate_gate_biases``) to put every neuron at the target density on
+a calibration batch, one layer after the other, since each layer's bias shifts the inputs of the
+next.
 
 Measured, for each density and both backends (both ``torch.compile``d in the same process):
 
@@ -113,8 +114,8 @@ def _tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: i
 
     A median, not the mean over the steps: a one-time stall in a timed step (a kernel's first
     autotuning, a recompile) would otherwise set the number. Steps over 1.5x the median are
-    logged. Session 16 measured the 2B Llama's twell training step at 0.68x of Inductor as the
-    mean of 5 steps, where the same model timed alone ran 428-437 ms per step after its second.
+    logged (on the H200 the mean of 5 steps put the 2B Llama's twell training step at 0.68x of
+    Inductor, where the same model timed alone ran 428-437 ms per step after its second).
     """
     for _ in range(warmup):
         step()

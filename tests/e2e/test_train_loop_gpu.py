@@ -15,6 +15,7 @@ fp32 weights keep the comparison about the kernels rather than bf16 rounding cha
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import statistics
@@ -87,7 +88,7 @@ def _smooth(xs, n=20):
 
 @pytest.mark.parametrize("path", ["dispatched", "sparse"])
 def test_loss_curve_tracks_the_reference_path(path):
-    from twell_compile.lowering import cuda_impl
+    from twell_compile.lowering import force_path
 
     reset_state()
     base = _model()
@@ -96,12 +97,11 @@ def test_loss_curve_tracks_the_reference_path(path):
 
     model = copy.deepcopy(base)
     compiled = torch.compile(model, backend="twell", options={"l1_coeff": L1})
-    cuda_impl.FORCE_PATH = "sparse" if path == "sparse" else None
     try:
-        ours = _train(model, _twell_loss(compiled))
-        stats = twell_compile.stats()
+        with force_path("sparse") if path == "sparse" else contextlib.nullcontext():
+            ours = _train(model, _twell_loss(compiled))
+            stats = twell_compile.stats()
     finally:
-        cuda_impl.FORCE_PATH = None
         reset_state()
 
     print(f"\n{path}: reference loss {ref[0]:.3f} -> {_smooth(ref):.3f}, twell {ours[0]:.3f} -> {_smooth(ours):.3f}")

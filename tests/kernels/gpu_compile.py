@@ -17,6 +17,7 @@ Prints one line per compiled variant; exit status 1 if any fails.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import struct
 import sys
@@ -32,13 +33,24 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from twell_compile.kernels import dense_act as DA  # noqa: E402
-from twell_compile.kernels import dense_rows as DR  # noqa: E402
-from twell_compile.kernels import floors as FL  # noqa: E402
-from twell_compile.kernels import gate_pack as GP  # noqa: E402
-from twell_compile.kernels import sparse_ffn as SF  # noqa: E402
-from twell_compile.kernels import sparse_ffn_bwd as SB  # noqa: E402
-from twell_compile.kernels import weights as W  # noqa: E402
+from twell_compile.kernels.dense_act import ROWS_PER_PROGRAM  # noqa: E402
+from twell_compile.kernels.dense_rows import BR, scratch_tiles  # noqa: E402
+from twell_compile.kernels.dense_rows_bwd import DENSE_WGRAD_TILES  # noqa: E402
+from twell_compile.kernels.dense_rows_fwd import DENSE_TILES  # noqa: E402
+from twell_compile.kernels.gate_pack import GROUP_M  # noqa: E402
+from twell_compile.kernels.neuron_major import ORDER_BLOCK, RANK_TB  # noqa: E402
+from twell_compile.kernels.pair_walk import overflow_threshold  # noqa: E402
+from twell_compile.kernels.row_lists import LIST_BLOCKS, LIST_SUB  # noqa: E402
+from twell_compile.kernels.tokens_bwd import DX_BLOCK_MAX  # noqa: E402
+from twell_compile.kernels.weights import NORM_CHUNK, NORM_ROWS, TRANSPOSE_TILE  # noqa: E402
+from twell_compile.kernels.wgrad import HOT_SEGMENTS  # noqa: E402
+
+# Every Triton kernel by its label: each kernel module lists its own in ``KERNELS``. (Imported as
+# modules by name: the package's ``gate_pack`` and ``sparse_ffn`` are the functions.)
+KERNEL_MODULES = ("gate_pack", "sparse_ffn", "dense_rows_fwd", "dense_rows", "row_lists", "dense_act", "weights",
+                  "floors", "neuron_major", "tokens_bwd", "dense_rows_bwd", "wgrad")
+KERNELS = {name: kernel for module in KERNEL_MODULES
+           for name, kernel in importlib.import_module(f"twell_compile.kernels.{module}").KERNELS.items()}
 
 ARCHS = {"sm90": GPUTarget("cuda", 90, 32), "sm80": GPUTarget("cuda", 80, 32)}
 TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -125,11 +137,11 @@ def variants(arch: str, full: bool):
     for dtype, gated, all_configs in cases:
         tag = f"{TY[dtype]} {'gated' if gated else 'plain'}"
         sixteen = dtype != torch.float32  # also: fp32 variants compile the pair loops' D mask (EVEN_D off)
-        ovf = SF.overflow_threshold(dtype)
+        ovf = overflow_threshold(dtype)
 
         # gate_pack: TMA descriptors (Hopper, 16-bit) or pointers.
         for use_tma in ([True, False] if hopper and sixteen else [False]):
-            for cfg in _configs(GP._gate_pack_kernel, all_configs, dict(USE_TMA=use_tma)):
+            for cfg in _configs(KERNELS["gate_pack"], all_configs, dict(USE_TMA=use_tma)):
                 types = {"x": f"*{TY[dtype]}", "w": f"*{TY[dtype]}"}
                 if use_tma:
                     bm, bk = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_K"]
@@ -139,11 +151,11 @@ def variants(arch: str, full: bool):
                 # PAIRED: slots as 8-byte pairs (the default, and inference's); training's two buffers.
                 for paired in ([True, False] if all_configs or not use_tma else [True]):
                     consts = dict(HAS_BIAS=True, USE_TMA=use_tma, IEEE=not sixteen, INTERPRET=False, SLOTS=SLOTS,
-                                  BLOCK_N=TILE_N, GROUP_M=GP._GROUP_M, EVEN_K=D % cfg.kwargs["BLOCK_K"] == 0,
+                                  BLOCK_N=TILE_N, GROUP_M=GROUP_M, EVEN_K=D % cfg.kwargs["BLOCK_K"] == 0,
                                   EVEN_N=all_configs, EVEN_M=all_configs, PAIRED=paired)
                     label = f"gate_pack {tag} tma={use_tma} paired={paired} {_name(cfg)}"
                     yield label, (lambda consts=consts, types=types, cfg=cfg, dtype=dtype:
-                                  compile_kernel(GP._gate_pack_kernel, target, dtype, consts, types, cfg))
+                                  compile_kernel(KERNELS["gate_pack"], target, dtype, consts, types, cfg))
 
         # Forward consumer and its dense rows.
         # The pair loops walk tiles by a bit set (BITS, H <= 8192) or tile by tile (larger H).
@@ -153,7 +165,7 @@ def variants(arch: str, full: bool):
         # The ops compute the guard in the pair loop (GUARD, MARK); the API's default takes dense rows.
         for store_up in ([True, False] if gated else [False]):
             for bits, pairs, guard in [(b, p, g) for b in walks for p in pair_reads for g in (True, False)]:
-                for cfg in _configs(SF._sparse_ffn_kernel, all_configs, dict(BLOCK_D=D, PAIRS=pairs)):
+                for cfg in _configs(KERNELS["sparse_ffn"], all_configs, dict(BLOCK_D=D, PAIRS=pairs)):
                     # Inference reads paired slots (gate_pack's default); training two buffers.
                     consts = dict(GATED=gated, HAS_BU=True, HAS_BD=True, STORE_UP=store_up, STORE_L1=store_up,
                                   STORE_WHOLE=True, SLOTS=SLOTS, NT_P2=NT_P2, BLOCK_D=D, OVF=ovf, EVEN_D=sixteen,
@@ -161,35 +173,35 @@ def variants(arch: str, full: bool):
                     yield (f"sparse_ffn {tag} store_up={store_up} bits={bits} pairs={pairs} guard={guard} "
                            f"paired={not store_up} {_name(cfg)}",
                            lambda consts=consts, cfg=cfg, dtype=dtype: compile_kernel(
-                               SF._sparse_ffn_kernel, target, dtype, consts, {"dense_ptr": "*i1"}, cfg))
+                               KERNELS["sparse_ffn"], target, dtype, consts, {"dense_ptr": "*i1"}, cfg))
         native = sixteen
-        bh, bk, bd, warps = SF._SCRATCH_TILES[dtype.itemsize]
+        bh, bk, bd, warps = scratch_tiles(dtype)
         yield f"dense_hidden {tag}", (lambda dtype=dtype, gated=gated, ovf=ovf, bh=bh, bk=bk, warps=warps: compile_kernel(
-            SF._dense_hidden_kernel, target, dtype,
-            dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=sixteen, OVF=ovf, BR=DR.BR, BH=bh, BK=bk), num_warps=warps))
-        bm, bh2, bk2, bd2, warps2, stages2 = SF._DENSE_TILES[dtype.itemsize]
+            KERNELS["dense_hidden"], target, dtype,
+            dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=sixteen, OVF=ovf, BR=BR, BH=bh, BK=bk), num_warps=warps))
+        bm, bh2, bk2, bd2, warps2, stages2 = DENSE_TILES[dtype.itemsize]
         yield f"dense_rows {tag}", (lambda dtype=dtype, gated=gated, ovf=ovf, a=(bm, bh2, bk2, bd2, warps2, stages2):
-                                    compile_kernel(SF._dense_rows_kernel, target, dtype,
+                                    compile_kernel(KERNELS["dense_rows"], target, dtype,
                                                    dict(GATED=gated, HAS_BG=gated, HAS_BU=True, HAS_BD=True,
                                                         NATIVE=native, SPLIT=sixteen, OVF=ovf, BM=a[0], BH=a[1],
                                                         BK=a[2], BD=a[3]), num_warps=a[4], num_stages=a[5]))
         for two, split in ((False, sixteen), (gated, dtype == torch.bfloat16)):  # forward, backward
             yield f"split_product {tag} two={two} split={split}", (
                 lambda dtype=dtype, two=two, split=split, bh=bh, bd=bd, warps=warps: compile_kernel(
-                    DR._split_product_kernel, target, dtype,
-                    dict(TWO=two, SPLIT=split, NATIVE=True, HAS_BIAS=not two, BR=DR.BR, BH=bh, BD=bd),
+                    KERNELS["split_product"], target, dtype,
+                    dict(TWO=two, SPLIT=split, NATIVE=True, HAS_BIAS=not two, BR=BR, BH=bh, BD=bd),
                     {"bias_ptr": f"*{TY[dtype]}", "dst_ptr": f"*{TY[dtype]}"}, num_warps=warps))
         for rec in (False, True):
             yield f"dense_list record={rec}", (lambda rec=rec: compile_kernel(
-                DR._dense_list_kernel, target, torch.float32, {"BLOCK": 4096, "RECORD": rec, "FLAG": 1.0},
+                KERNELS["dense_list"], target, torch.float32, {"BLOCK": 4096, "RECORD": rec, "FLAG": 1.0},
                 {"flags_ptr": "*u8", "values_ptr": "*fp64", "scratch_ptr": "*i64"}, num_warps=8))
         # The forward guard (records, marks the counts); the backward's on dout; on x and dout (the API's).
         for backward, has_b in ((False, False), (True, False), (True, True)):
             yield f"flag_rows {tag} backward={backward} b={has_b}", (lambda dtype=dtype, backward=backward, has_b=has_b: compile_kernel(
-                DR._flag_rows_kernel, target, dtype,
+                KERNELS["flag_rows"], target, dtype,
                 dict(HAS_B=has_b, HAS_COUNT=True, FLAG_OVERFLOW=True, RECORD=not backward, MARK=not backward,
-                     LIST=not has_b, FLAG=1.0, SLOTS=SLOTS, NT_P2=NT_P2, BR=16, BK=256, CB=DR._LIST_BLOCKS,
-                     SUB=DR._LIST_SUB),
+                     LIST=not has_b, FLAG=1.0, SLOTS=SLOTS, NT_P2=NT_P2, BR=16, BK=256, CB=LIST_BLOCKS,
+                     SUB=LIST_SUB),
                 {"a_bound_ptr": "*fp32", "b_bound_ptr": "*fp32", "flags_ptr": "*u8", "values_ptr": "*fp64",
                  "scratch_ptr": "*i64"}))
 
@@ -197,44 +209,44 @@ def variants(arch: str, full: bool):
         for act_dtype in ([dtype, torch.float64] if dtype == torch.float32 and not gated else [dtype]):
             yield f"dense_act {TY[act_dtype]} {'gated' if gated else 'plain'}", (
                 lambda act_dtype=act_dtype, gated=gated: compile_kernel(
-                    DA._dense_act_kernel, target, act_dtype,
+                    KERNELS["dense_act"], target, act_dtype,
                     dict(GATED=gated, STORE_ACT=gated, COUNT=True, FLAG=0.0, L1=True,
-                         FP64=act_dtype == torch.float64, SLOTS=SLOTS, TILE_N=TILE_N, BM=DA._ROWS),
+                         FP64=act_dtype == torch.float64, SLOTS=SLOTS, TILE_N=TILE_N, BM=ROWS_PER_PROGRAM),
                     {"values_ptr": "*fp64", "scratch_ptr": "*i64", "l1_ptr": "*fp32"}))
             yield f"dense_act_backward {TY[act_dtype]} {'gated' if gated else 'plain'}", (
                 lambda act_dtype=act_dtype, gated=gated: compile_kernel(
-                    DA._dense_act_backward_kernel, target, act_dtype,
+                    KERNELS["dense_act_backward"], target, act_dtype,
                     dict(GATED=gated, FP64=act_dtype == torch.float64, BLOCK=2048), {"dgate_ptr": f"*{TY[act_dtype]}"},
                     num_warps=8))
 
         # Weight preparation: Wdᵀ rows and the guard's bounds (wd [D, H] is contiguous along H).
         if gated:
             yield f"transpose {TY[dtype]}", (lambda dtype=dtype: compile_kernel(
-                W._transpose_kernel, target, dtype, dict(TILE=W._TILE)))
+                KERNELS["transpose"], target, dtype, dict(TILE=TRANSPOSE_TILE)))
         for store in (False, True):  # guard_bounds alone; weight_prep with the Wdᵀ rows (the ops')
             yield f"weight_facts {tag} store_wdt={store}", (lambda dtype=dtype, gated=gated, store=store: compile_kernel(
-                W._weight_facts_kernel, target, dtype,
+                KERNELS["weight_facts"], target, dtype,
                 dict(stride_wd_j=1, LIMIT=torch.finfo(dtype).max, GATED=gated, HAS_BG=gated, HAS_BU=True,
-                     HAS_BD=True, STORE_WDT=store, ROWS=W._ROWS, CHUNK=W._CHUNK),
+                     HAS_BD=True, STORE_WDT=store, ROWS=NORM_ROWS, CHUNK=NORM_CHUNK),
                 {"facts_ptr": "*i32", "fwd_ptr": "*fp32", "bwd_ptr": "*fp32"}))
 
         # twell bench --floors' bare gather (no wrapper: one config).
         yield f"gather_floor {TY[dtype]}", (lambda dtype=dtype: compile_kernel(
-            FL._gather_floor_kernel, target, dtype, dict(BLOCK_D=D), {"row_ptr": "*i64", "cols_ptr": "*i32"}))
+            KERNELS["gather_floor"], target, dtype, dict(BLOCK_D=D), {"row_ptr": "*i64", "cols_ptr": "*i32"}))
 
         # Backward.
         for place in (False, True):
             yield f"rank {tag} place={place}", (lambda dtype=dtype, place=place: compile_kernel(
-                SB._rank_kernel, target, dtype,
-                dict(PLACE=place, SLOTS=SLOTS, SLOTS_P2=SLOTS, TILE_N=TILE_N, TB=SB._RANK_TB),
+                KERNELS["rank"], target, dtype,
+                dict(PLACE=place, SLOTS=SLOTS, SLOTS_P2=SLOTS, TILE_N=TILE_N, TB=RANK_TB),
                 {"dense_ptr": "*u8", "tokens_ptr": "*i64", "incl_ptr": "*i32"}))
-        n_chunks = -(-5632 // SB._ORDER_BLOCK)
+        n_chunks = -(-5632 // ORDER_BLOCK)
         block = triton.next_power_of_2(-(-5632 // n_chunks))
         yield f"order {tag}", (lambda dtype=dtype, block=block: compile_kernel(
-            SB._order_kernel, target, dtype, dict(BLOCK=block), {"incl_ptr": "*i32", "ptr_ptr": "*i64", "order_ptr": "*i32"},
+            KERNELS["order"], target, dtype, dict(BLOCK=block), {"incl_ptr": "*i32", "ptr_ptr": "*i64", "order_ptr": "*i32"},
             num_warps=max(1, min(4, block // 256))))
-        block_dx = min(D, SB._DX_BLOCK_MAX)
-        for name, kernel, block in (("tokens_dh", SB._tokens_dh_kernel, D), ("tokens_dx", SB._tokens_dx_kernel, block_dx)):
+        block_dx = min(D, DX_BLOCK_MAX)
+        for name, kernel, block in (("tokens_dh", KERNELS["tokens_dh"], D), ("tokens_dx", KERNELS["tokens_dx"], block_dx)):
             for cfg in _configs(kernel, all_configs, dict(BLOCK_D=block)):
                 for bits, pairs in [(b, p) for b in walks for p in pair_reads]:
                     yield f"{name} {tag} bits={bits} pairs={pairs} {_name(cfg)}", (
@@ -243,21 +255,21 @@ def variants(arch: str, full: bool):
                                        dict(GATED=gated, SLOTS=SLOTS, BLOCK_D=block, EVEN_D=sixteen, NT_P2=NT_P2,
                                             BITS=bits, PAIRS=pairs, OVF=ovf),
                                        {"dense_ptr": "*u8"}, cfg))
-        bh, bk, bd = 64, 64, (64 if dtype == torch.float32 else 128)
-        flags = dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=native, BR=DR.BR, BH=bh, BK=bk)
+        bh, bk, bd, _ = scratch_tiles(dtype)  # the backward's dense rows: the forward's scratch tiles
+        flags = dict(GATED=gated, HAS_BG=gated, HAS_BU=True, NATIVE=native, BR=BR, BH=bh, BK=bk)
         yield f"dense_coef_dx {tag}", (lambda dtype=dtype, flags=flags, bd=bd: compile_kernel(
-            SB._dense_coef_dx_kernel, target, dtype, dict(flags, BD=bd)))
-        bj, bd_w, warps_w = SB._DENSE_WGRAD_TILES
+            KERNELS["dense_coef_dx"], target, dtype, dict(flags, BD=bd)))
+        bj, bd_w, warps_w = DENSE_WGRAD_TILES
         yield f"dense_wgrad {tag}", (lambda dtype=dtype, gated=gated: compile_kernel(
-            SB._dense_wgrad_kernel, target, dtype,
-            dict(GATED=gated, SPLIT=dtype == torch.bfloat16, NATIVE=native, BR=DR.BR, BJ=bj, BD=bd_w),
+            KERNELS["dense_wgrad"], target, dtype,
+            dict(GATED=gated, SPLIT=dtype == torch.bfloat16, NATIVE=native, BR=BR, BJ=bj, BD=bd_w),
             num_warps=warps_w))
         for partial, pairs in [(p, q) for p in (False, True) for q in pair_reads]:
-            for cfg in _configs(SB._wgrad_kernel, all_configs, {}, {"D": D}):
+            for cfg in _configs(KERNELS["wgrad"], all_configs, {}, {"D": D}):
                 yield f"wgrad {tag} partial={partial} pairs={pairs} {_name(cfg)}", (
                     lambda dtype=dtype, gated=gated, cfg=cfg, partial=partial, pairs=pairs, ovf=ovf: compile_kernel(
-                        SB._wgrad_kernel, target, dtype,
-                        dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, SEGS=SB._HOT_SEGMENTS, BK=64,
+                        KERNELS["wgrad"], target, dtype,
+                        dict(GATED=gated, HAS_BG=gated, HAS_BU=True, PARTIAL=partial, SEGS=HOT_SEGMENTS, BK=64,
                              EVEN_D=sixteen, PAIRS=pairs, OVF=ovf),
                         {"nptr_ptr": "*i64", "order_ptr": "*i64"}, cfg))
 

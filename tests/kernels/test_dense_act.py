@@ -12,7 +12,7 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():  # before the kernel modules are imported (DESIGN.md section 9)
+if not torch.cuda.is_available():  # before the kernel modules are imported (docs/architecture.md, 'Testing')
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -20,7 +20,7 @@ from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from twell_compile.kernels.dense_act import dense_activation, dense_activation_backward  # noqa: E402
-from twell_compile.kernels.dense_rows import CallRecord  # noqa: E402
+from twell_compile.kernels.tickets import CallRecord  # noqa: E402
 from twell_compile.kernels.format import TwellLayout, is_active  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,7 +29,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 def _record(calls=0.0):
-    """A call record (``dense_rows.CallRecord``) with ``calls`` earlier calls and stale fields."""
+    """A call record (``tickets.CallRecord``) with ``calls`` earlier calls and stale fields."""
     return CallRecord(torch.tensor([calls, 3.0, 5.0, 5.0, 1.0], dtype=torch.float64, device=DEV),
                       torch.zeros(3, dtype=torch.int64, device=DEV), 0.0)
 
@@ -112,7 +112,8 @@ def test_small_layout_counts_overflow_per_tile():
 
 
 def _eager_backward(dh, h, act, coef, up):
-    """What ``cuda_impl._dense_backward`` ran before the fused pass: dense autograd's ops."""
+    """Dense autograd's ops for this step, which ``twell_compile.lowering.dense_path.dense_backward``
+    computes with the fused pass."""
     dh = dh.clone()
     dh.addcmul_(torch.sign(h), coef)
     threshold_backward = torch.ops.aten.threshold_backward

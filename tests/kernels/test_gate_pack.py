@@ -17,18 +17,20 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():  # before the kernel modules are imported (DESIGN.md section 9)
+if not torch.cuda.is_available():  # before the kernel modules are imported (docs/architecture.md, 'Testing')
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.strategies import EDGE_H, sizes  # noqa: E402
 from twell_compile.kernels import reference as R  # noqa: E402
 from twell_compile.kernels.format import TwellLayout, is_paired  # noqa: E402
-from twell_compile.kernels import gate_pack as GP  # noqa: E402
-from twell_compile.kernels.gate_pack import gate_pack  # noqa: E402
+from twell_compile.kernels.gate_pack import KERNELS, gate_pack  # noqa: E402
+from twell_compile.kernels.gate_pack_configs import set_tma_blocks  # noqa: E402
+from twell_compile.kernels.triton_helpers import INTERPRET  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -75,12 +77,12 @@ def int_inputs(m, d, h, dtype, seed, *, bias: bool, density_shift: int = 0, skew
 def epilogue(kind: str):
     """``gate_pack`` with one config whose epilogue ranks the actives by bit counts ("bits") or by
     a cumsum over row halves ("scan"); the autotuner's configs are restored after."""
-    kernel = GP._gate_pack_kernel
+    kernel = KERNELS["gate_pack"]
     saved = kernel.configs, kernel.cache
-    bm, bk, warps, stages = (32, 32, 4, 1) if GP.INTERPRET else (128, 32, 8, 3)  # fp32 tiles fit shared memory
+    bm, bk, warps, stages = (32, 32, 4, 1) if INTERPRET else (128, 32, 8, 3)  # fp32 tiles fit shared memory
     meta = {"BLOCK_M": bm, "BLOCK_K": bk, "PERSISTENT": True, "BIT_RANKS": kind == "bits",
             "EPI_SPLIT": 1 if kind == "bits" else 2}
-    config = GP.triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=GP._set_tma_blocks)
+    config = triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=set_tma_blocks)
     kernel.configs, kernel.cache = [config], {}
     try:
         yield
@@ -346,60 +348,3 @@ def test_gpu_benchmark_shape_random(density):
     clear = (pre64.abs() > 1e-6 * scale).view(m, -1, 128).all(-1)  # h = 44 · 128
     assert clear.float().mean() > 0.9
     assert torch.equal(got.count[clear], ref.count[clear])
-
-
-
-def test_device_properties_are_queried_once_per_device(monkeypatch):
-    """The TMA choice and the persistent grid read a device's properties from a cache: the query
-    cost ~5 us of host time per call on the H200."""
-    from types import SimpleNamespace
-
-    calls = []
-
-    def props(index):
-        calls.append(index)
-        return SimpleNamespace(major=9 if index == 0 else 8, multi_processor_count=132)
-
-    monkeypatch.setattr(GP, "_PROPERTIES", {})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
-    for _ in range(3):
-        assert GP._sm90_or_newer(torch.device("cuda", 0))
-        assert not GP._sm90_or_newer(torch.device("cuda", 1))
-        assert GP._properties(torch.device("cuda", 0)).multi_processor_count == 132
-    assert calls == [0, 1]
-
-
-@pytest.mark.parametrize("room, stages", [(232_448, [4]), (163_840, [3]), (None, [3, 4])])
-def test_tma_configs_keep_the_deepest_pipeline_that_fits(monkeypatch, room, stages):
-    """Of the TMA configs that differ only in pipeline depth the autotuner times the deepest whose
-    operand ring fits the GPU's shared memory (opt-in per block: 232,448 bytes on the H200); the
-    pointer path's configs are left as they are."""
-    from types import SimpleNamespace
-
-    props = SimpleNamespace() if room is None else SimpleNamespace(shared_memory_per_block_optin=room)
-    monkeypatch.setattr(GP, "INTERPRET", False)
-    monkeypatch.setattr(GP, "_PROPERTIES", {0: props})
-    base = SimpleNamespace(device=torch.device("cuda", 0), element_size=lambda: 2)
-    configs = GP._cuda_configs()
-    tma = GP._prune_configs(configs, {"x": SimpleNamespace(base=base)}, USE_TMA=True, BLOCK_N=128)
-    assert all(c.kwargs["BIT_RANKS"] for c in tma)
-    persistent = sorted(c.num_stages for c in tma if c.kwargs["PERSISTENT"] and c.kwargs["BLOCK_M"] == 256)
-    assert persistent == stages
-    if room is not None:
-        assert all(GP._operand_ring_bytes(c, 128, 2) + GP._SMEM_SLACK <= room for c in tma)
-    pointers = GP._prune_configs(configs, {"x": torch.empty(1, 1)}, USE_TMA=False, BLOCK_N=128)
-    assert pointers == [c for c in configs if not c.kwargs["BIT_RANKS"]]
-
-
-@pytest.mark.parametrize("room, fits", [(232_448, True), (101_376, False), (None, True)])
-def test_tma_path_only_where_a_config_fits(monkeypatch, room, fits):
-    """GPUs of ~100 KiB of shared memory per block (sm120) fit no TMA config (the smallest ring is
-    128 KiB at 16-bit inputs): the launcher takes the pointer path there, and an explicit
-    ``use_tma=True`` names the limit. An unknown limit keeps TMA."""
-    from types import SimpleNamespace
-
-    props = SimpleNamespace(major=12) if room is None else SimpleNamespace(major=12, shared_memory_per_block_optin=room)
-    monkeypatch.setattr(GP, "INTERPRET", False)
-    monkeypatch.setattr(GP, "_PROPERTIES", {0: props})
-    assert GP._tma_fits(torch.device("cuda", 0), 2, 128) is fits
-    assert GP._tma_fits(torch.device("cpu"), 2, 128)  # off the GPU: the interpreter's choice stands

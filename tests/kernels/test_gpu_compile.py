@@ -41,9 +41,9 @@ def test_every_kernel_compiles_for_sm90_with_every_autotune_config():
     sixteen_bit_gemms = [line for line in _compiled(lines, "gate_pack") if " fp32 " not in line]
     assert sixteen_bit_gemms and all("wgmma=True" in line for line in sixteen_bit_gemms), sixteen_bit_gemms
     assert any("tma=True" in line and "PERSISTENT=True" in line for line in sixteen_bit_gemms)
-    # Registers set the pair loops' occupancy, which their gathers need: 16-row dense-row chunks
-    # had taken every _wgrad_kernel config to 211-254 registers, and the backward from 2.00 to
-    # 2.36 ms on the H200 (session 16). The usual picks at the benchmark shape stay at <= 128.
+    # Registers set the pair loops' occupancy, which their gathers need: at 211-254 registers
+    # every _wgrad_kernel config took the backward to 2.36 ms on the H200, against 2.00 ms at
+    # <= 128. The usual picks at the benchmark shape stay at <= 128.
     for kernel, pick in (("wgrad", "BD=1024 CK=2 w2"), ("wgrad", "BD=512 CK=2 w1"), ("tokens_dh", "TOKENS=1 w1"),
                          ("tokens_dx", "TOKENS=1 w2"), ("sparse_ffn", "TOKENS=1 w4")):
         picked = [line for line in _compiled(lines, kernel) if " bf16 gated " in line and f" {pick} " in line]

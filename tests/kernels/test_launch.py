@@ -8,11 +8,12 @@ heuristics, and launch hooks (profilers) still see every launch.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
 
-if not torch.cuda.is_available():  # before the kernel modules are imported (DESIGN.md section 9)
+if not torch.cuda.is_available():  # before the kernel modules are imported (docs/architecture.md, 'Testing')
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -21,7 +22,9 @@ import triton.language as tl  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from twell_compile.kernels import launch as L  # noqa: E402
+from twell_compile.kernels.triton_helpers import INTERPRET  # noqa: E402
+
+L = importlib.import_module("twell_compile.kernels.launch")  # the module itself: tests patch its state
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -44,7 +47,7 @@ def _count_pre_hook(nargs):
 _CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w, pre_hook=_count_pre_hook) for b, w in ((32, 1), (64, 2))]
 
 
-@triton.autotune(configs=_CONFIGS[:1] if L._INTERPRET else _CONFIGS, key=["n"])
+@triton.autotune(configs=_CONFIGS[:1] if INTERPRET else _CONFIGS, key=["n"])
 @triton.heuristics({"EVEN": lambda a: a["n"] % a["BLOCK"] == 0})
 @triton.jit
 def _scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr):
@@ -59,7 +62,7 @@ def _scale_key(*args, **kwargs):
     """``launch``'s tuning key of ``_scale_kernel`` for these arguments."""
     named = dict(zip(_scale_kernel.arg_names, args))
     named.update(kwargs)
-    return L._tuning_key(_scale_kernel, named)
+    return L.tuning_key(_scale_kernel, named)
 
 
 def test_tuning_key_follows_the_autotuners_key():
@@ -110,7 +113,7 @@ def test_each_specialization_launches_tritons_own_binary():
         torch.testing.assert_close(out, xs + y, rtol=0, atol=0)
         plain = _add_kernel[(triton.cdiv(n, 64),)](xs, y, torch.empty_like(y), n, BLOCK=64)
         seen.append(plain)
-        assert L._compiled[_key(_add_kernel, xs, y, out, n, BLOCK=64)] is plain
+        assert L.compiled_kernels[_key(_add_kernel, xs, y, out, n, BLOCK=64)] is plain
     assert seen[0] is not seen[1]
 
 
@@ -121,21 +124,21 @@ def test_autotuned_launch_uses_the_tuners_choice_and_runs_its_pre_hook():
     out = torch.zeros_like(x)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
     L.launch(_scale_kernel, grid, x, out, n, 3.0)
-    chosen = L._configs[(id(_scale_kernel), _scale_key(x, out, n, 3.0))]
+    chosen = L.chosen_configs[(id(_scale_kernel), _scale_key(x, out, n, 3.0))]
     assert chosen is _scale_kernel.best_config
     before = len(_PRE_HOOK_CALLS)
     L.launch(_scale_kernel, grid, x, out, n, 4.0)
     assert _PRE_HOOK_CALLS[before:] == [n]
     torch.testing.assert_close(out, x * 4.0, rtol=0, atol=0)
     even = n % chosen.kwargs["BLOCK"] == 0
-    assert _key(_scale_kernel.fn.fn, x, out, n, 4.0, **chosen.all_kwargs(), EVEN=even) in L._compiled
+    assert _key(_scale_kernel.fn.fn, x, out, n, 4.0, **chosen.all_kwargs(), EVEN=even) in L.compiled_kernels
 
 
 def test_tuned_configs_name_each_kernel_its_key_and_the_choice(monkeypatch):
     """One line per (kernel, tuning key): the key's arguments by name, then the dtypes."""
     config = triton.Config({"BLOCK": 64}, num_warps=2)
-    monkeypatch.setattr(L, "_configs", {(1, (96, torch.float32, torch.float32)): config})
-    monkeypatch.setattr(L, "_tuners", {1: ("_scale_kernel", ("n",))})
+    monkeypatch.setattr(L, "chosen_configs", {(1, (96, torch.float32, torch.float32)): config})
+    monkeypatch.setattr(L, "tuner_names", {1: ("_scale_kernel", ("n",))})
     assert L.tuned_configs() == [("_scale_kernel", "n=96 torch.float32 torch.float32", str(config))]
 
 
@@ -145,7 +148,7 @@ def test_tuned_configs_list_the_autotuners_choice():
     x = torch.randn(n, device="cuda")
     out = torch.zeros_like(x)
     L.launch(_scale_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK"]),), x, out, n, 2.0)
-    chosen = L._configs[(id(_scale_kernel), _scale_key(x, out, n, 2.0))]
+    chosen = L.chosen_configs[(id(_scale_kernel), _scale_key(x, out, n, 2.0))]
     assert ("_scale_kernel", "n=80 torch.float32 torch.float32", str(chosen)) in L.tuned_configs()
 
 
@@ -169,11 +172,11 @@ def test_launch_hooks_see_lean_launches():
 
 def test_plain_switch_sends_launches_through_triton(monkeypatch):
     monkeypatch.setattr(L, "PLAIN", True)
-    monkeypatch.setattr(L, "_compiled", {})
+    monkeypatch.setattr(L, "compiled_kernels", {})
     n = 40
     x, y = torch.randn(n, device=DEV), torch.randn(n, device=DEV)
     torch.testing.assert_close(_add(x, y, n), x + y, rtol=0, atol=0)
-    assert L._compiled == {}
+    assert L.compiled_kernels == {}
 
 
 def _key(fn, *args, **kwargs):
@@ -202,9 +205,9 @@ def test_a_capture_never_autotunes_it_runs_an_untuned_config_once():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, x * 5.0, rtol=0, atol=0)
-    assert key not in L._configs  # the next call outside the capture tunes
+    assert key not in L.chosen_configs  # the next call outside the capture tunes
     L.launch(_scale_kernel, grid, x, out, n, 6.0)
-    assert L._configs[key] is _scale_kernel.best_config
+    assert L.chosen_configs[key] is _scale_kernel.best_config
     torch.testing.assert_close(out, x * 6.0, rtol=0, atol=0)
 
 
@@ -220,6 +223,6 @@ def test_the_untuned_config_is_the_first_one_pruning_keeps():
     tuner = triton.autotune(configs=configs, key=["n"], prune_configs_by={"early_config_prune": drop_small})(_add_kernel)
     x = torch.zeros(4)
     with pytest.warns(RuntimeWarning, match="never tuned"):
-        config = L._untuned_config(tuner, (x, x, x, 20), {})
+        config = L.untuned_config(tuner, (x, x, x, 20), {})
     assert config is configs[1]
     assert seen["n"] == 20 and tuner.nargs is None

@@ -4,9 +4,11 @@ Oracles:
 
 * forward: ``dense_ffn_ref`` on float64 copies of the same inputs;
 * backward: float64 autograd of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|`` (``tests.utils.dense_grads``);
-* accuracy (DESIGN.md section 5): in fp32/fp16/bf16 the reference's ``‖out − ref₆₄‖/‖ref₆₄‖`` must
-  be no worse than dense PyTorch's in the same dtype, times ``ACCURACY_SLACK``, plus a tiny epsilon;
-* NaN/Inf (DESIGN.md section 5): exactly dense PyTorch's NaN (and Inf) pattern in the same dtype.
+* accuracy (docs/architecture.md, 'Exactness contract'): in fp32/fp16/bf16 the reference's
+  ``‖out − ref₆₄‖/‖ref₆₄‖`` must be no worse than dense PyTorch's in the same dtype, times
+  ``ACCURACY_SLACK``, plus a tiny epsilon;
+* NaN/Inf (docs/architecture.md, 'Exactness contract'): exactly dense PyTorch's NaN (and Inf)
+  pattern in the same dtype.
 
 The Hypothesis configurations (``tests.strategies.ffn_configs``) cover M = 0, sizes that fit no
 tile, densities 0..100 %, skewed neurons, rows forced all-active (overflow-heavy), gated/plain,
@@ -51,8 +53,9 @@ F64 = torch.float64
 
 # In float64 the reference must match dense float64 to this relative error (‖·‖ over the tensor).
 FLOAT64_REL = 1e-12
-# DESIGN.md section 5: "no less accurate than the dense PyTorch path in the same dtype". The slack
-# absorbs noise in the comparison; the epsilon only matters when both errors are ~0.
+# docs/architecture.md, 'Exactness contract': "no less accurate than the dense PyTorch path in the
+# same dtype". The slack absorbs noise in the comparison; the epsilon only matters when both errors
+# are ~0.
 ACCURACY_SLACK = 1.05
 
 

@@ -16,12 +16,13 @@ On CPU the kernels run under ``TRITON_INTERPRET=1`` (tests/conftest.py) on tiny 
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
 import torch
 
-if not torch.cuda.is_available():  # before the kernel modules are imported (DESIGN.md section 9)
+if not torch.cuda.is_available():  # before the kernel modules are imported (docs/architecture.md, 'Testing')
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -34,7 +35,9 @@ from tests.utils import FFN, assert_close_verbose, make_ffn, make_ffn_with_patte
 from twell_compile.kernels import reference as R  # noqa: E402
 from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed, is_paired  # noqa: E402
 from twell_compile.kernels.gate_pack import gate_pack  # noqa: E402
-from twell_compile.kernels.sparse_ffn import guard_rows, sparse_ffn  # noqa: E402
+from twell_compile.kernels.sparse_ffn import CAPPED_REGS, guard_rows, prune_sparse, sparse_ffn  # noqa: E402
+
+PW = importlib.import_module("twell_compile.kernels.pair_walk")  # the module itself: tests patch its switches
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -47,8 +50,9 @@ ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # × ma
 
 
 def accuracy_bar(dense_error: float, dtype) -> float:
-    """DESIGN.md section 5, as tests/kernels/test_reference.py applies it: the dense path's error
-    (5% slack), plus one unit roundoff, the cost of rounding the exact result once."""
+    """docs/architecture.md, 'Exactness contract', as tests/kernels/test_reference.py applies it:
+    the dense path's error (5% slack), plus one unit roundoff, the cost of rounding the exact
+    result once."""
     return 1.05 * dense_error + torch.finfo(dtype).eps / 2
 
 
@@ -135,14 +139,12 @@ def test_matches_reference(cfg, scratch_rows):
 def test_tile_by_tile_walk_matches_the_bit_set_walk(gated):
     """Rows of more than 64 tiles walk them one by one (no bit set); forced here on small H, both
     walks give the reference's output and the same up values, bitwise."""
-    from twell_compile.kernels import sparse_ffn as K
-
     layout = TwellLayout(tile_n=16, slots=4)  # 64 tiles (all a bit set holds), some overflowed
     ffn = _on(make_ffn(14, 24, 1024, density=0.06, gated=gated, bias=True, skew=1.0, seed=4))
     res = check_against_reference(ffn, layout)
     bits = _run(ffn, res.packed, res.dense_rows, layout, return_up=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(K, "MAX_BIT_TILES", 0)
+        mp.setattr(PW, "MAX_BIT_TILES", 0)
         walk = _run(ffn, res.packed, res.dense_rows, layout, return_up=True)
     assert torch.equal(bits[0], walk[0])
     assert torch.equal(defined_up(bits[1], res.packed, res.dense_rows), defined_up(walk[1], res.packed, res.dense_rows))
@@ -150,45 +152,29 @@ def test_tile_by_tile_walk_matches_the_bit_set_walk(gated):
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_bf16_rows_read_as_pairs(gated):
-    """bf16 rows are read as int32 pairs of elements (``sparse_ffn.paired``): the reference's
+    """bf16 rows are read as int32 pairs of elements (``pair_walk.paired``): the reference's
     output, and bitwise the element-wise reads' output and up values. No row is dense here (the
     dense-row kernels' bf16 ``tl.dot`` does not run in the interpreter)."""
-    from twell_compile.kernels import sparse_ffn as K
-
     ffn = _on(make_ffn(14, 40, 300, density=0.03, gated=gated, bias=True, skew=1.0, seed=4, dtype=torch.bfloat16))
-    assert K.paired(ffn.x, ffn.wu, ffn.wd.t().contiguous())
+    assert PW.paired(ffn.x, ffn.wu, ffn.wd.t().contiguous())
     res = R.ffn_forward_ref(*ffn.args())
     assert not res.dense_rows.any()
     pairs = _run(ffn, res.packed, res.dense_rows, return_up=True)
     assert_out_close(pairs[0], res.out, torch.bfloat16)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(K, "PAIR_READS", False)
+        mp.setattr(PW, "PAIR_READS", False)
         elements = _run(ffn, res.packed, res.dense_rows, return_up=True)
     assert torch.equal(pairs[0], elements[0])
     assert torch.equal(defined_up(pairs[1], res.packed, None), defined_up(elements[1], res.packed, None))
 
 
-def test_which_rows_are_read_as_pairs():
-    """Pairs need bf16, an even row length, even row strides and 4-byte aligned rows."""
-    from twell_compile.kernels.sparse_ffn import paired
-
-    rows = torch.zeros(4, 10, dtype=torch.bfloat16)
-    assert paired(rows, rows[:, :8])
-    assert not paired(rows.half())  # fp16 widening is no bit operation
-    assert not paired(rows[:, :7])  # odd length
-    assert not paired(torch.zeros(4, 11, dtype=torch.bfloat16)[:, :10])  # odd row stride
-    assert not paired(rows[:, 1:9])  # starts 2 bytes into a pair
-
-
 def test_the_register_capped_config_is_tried_only_where_it_does_not_spill():
     """The 4-warp config capped at 56 registers (9 programs an SM on sm90) is tuned only for pair
     reads of rows up to 2048 wide, which ptxas fits in 56 without spilling."""
-    from twell_compile.kernels.sparse_ffn import _CAPPED_REGS, _prune_sparse
-
-    plain, capped = (triton.Config({"TOKENS": 1}, num_warps=4, num_stages=1, maxnreg=r) for r in (None, _CAPPED_REGS))
-    assert _prune_sparse([plain, capped], {}, BLOCK_D=2048, PAIRS=True) == [plain, capped]
-    assert _prune_sparse([plain, capped], {}, BLOCK_D=2048, PAIRS=False) == [plain]
-    assert _prune_sparse([plain, capped], {}, BLOCK_D=4096, PAIRS=True) == [plain]
+    plain, capped = (triton.Config({"TOKENS": 1}, num_warps=4, num_stages=1, maxnreg=r) for r in (None, CAPPED_REGS))
+    assert prune_sparse([plain, capped], {}, BLOCK_D=2048, PAIRS=True) == [plain, capped]
+    assert prune_sparse([plain, capped], {}, BLOCK_D=2048, PAIRS=False) == [plain]
+    assert prune_sparse([plain, capped], {}, BLOCK_D=4096, PAIRS=True) == [plain]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +362,8 @@ def test_special_values_in_packed_sparse_rows(seed, gated, rate):
 
 
 def test_float16_accuracy_no_worse_than_dense():
-    """‖out − ref₆₄‖/‖ref₆₄‖ of the float16 sparse path ≤ the dense float16 path's (DESIGN.md §5)."""
+    """‖out − ref₆₄‖/‖ref₆₄‖ of the float16 sparse path ≤ the dense float16 path's
+    (docs/architecture.md, 'Exactness contract')."""
     for gated in (True, False):
         ffn = make_ffn(40, 48, 300, density=0.05, gated=gated, dtype=torch.float16, seed=8)
         ref64 = R.dense_ffn_ref(*ffn.double().args())
@@ -455,11 +442,9 @@ def test_argument_errors_name_the_argument():
 def test_autotune_prune_keeps_the_register_budget():
     """GPU autotuning drops configs whose BLOCK_D weight row needs > 64 registers a thread, and
     always leaves one (large D)."""
-    from twell_compile.kernels import sparse_ffn as K
-
     configs = [triton.Config({"TOKENS": t}, num_warps=w) for t, w in ((1, 1), (1, 2), (2, 4), (1, 8))]
     def shapes(block_d):
-        return [(c.kwargs["TOKENS"], c.num_warps) for c in K._prune_sparse(configs, {}, BLOCK_D=block_d)]
+        return [(c.kwargs["TOKENS"], c.num_warps) for c in prune_sparse(configs, {}, BLOCK_D=block_d)]
 
     assert shapes(2048) == [(1, 1), (1, 2), (2, 4), (1, 8)]
     assert shapes(8192) == [(2, 4), (1, 8)]
@@ -575,7 +560,8 @@ def test_the_guard_in_the_pair_loop_flags_marks_and_records_as_flag_rows(gated):
     """``sparse_ffn(guard_bound=...)`` computes the finiteness guard from the x rows it loads and
     gives what ``flag_rows`` before it gives: the same output (NaN where it is NaN), the same
     counts after the marks, and the same call record."""
-    from twell_compile.kernels.dense_rows import CallRecord, flag_rows
+    from twell_compile.kernels.row_lists import flag_rows
+    from twell_compile.kernels.tickets import CallRecord
     from twell_compile.kernels.weights import weight_prep
 
     g = torch.Generator().manual_seed(3)

@@ -1,10 +1,10 @@
-"""The Triton TwELL backward (kernels/sparse_ffn_bwd.py) against its reference and dense PyTorch.
+"""The Triton TwELL backward (kernels/sparse_ffn_bwd.py and the kernels it launches) against its
+reference and dense PyTorch.
 
 Oracles:
 
 * ``reference.ffn_backward_ref`` on the same inputs, every gradient, up to fp32 summation order
   (fp32) or one rounding flip of the output (fp16); NaN/Inf patterns exactly;
-* the pair lists against a stable ``torch.argsort`` of the slots by neuron;
 * the fast path pinned to the general one: the same call with every row flagged dense;
 * on GPU (``-m gpu``): float64 autograd of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|`` at the
   benchmark shape, no worse than dense bf16 autograd; CUDA-graph capture; no host sync;
@@ -17,12 +17,13 @@ is what bounds these sizes.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
 import torch
 
-if not torch.cuda.is_available():  # before the kernel modules are imported (DESIGN.md section 9)
+if not torch.cuda.is_available():  # before the kernel modules are imported (docs/architecture.md, 'Testing')
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -33,7 +34,10 @@ from tests.strategies import EDGE_H, densities, sizes  # noqa: E402
 from tests.utils import (FFN, GRAD_NAMES, assert_close_verbose, dense_grads, gate_threshold, make_ffn,  # noqa: E402
                          make_ffn_with_pattern, rel_error)
 from twell_compile.kernels import reference as R  # noqa: E402
-from twell_compile.kernels import sparse_ffn_bwd as K  # noqa: E402
+from twell_compile.kernels.sparse_ffn_bwd import backward_dense_rows, sparse_ffn_backward  # noqa: E402
+from twell_compile.kernels.wgrad import HOT_SPLIT_MIN  # noqa: E402
+
+PW = importlib.import_module("twell_compile.kernels.pair_walk")  # the module itself: tests patch its switches
 from twell_compile.kernels.format import DEFAULT_LAYOUT, TwellLayout, TwellPacked, empty_packed, is_paired  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,7 +74,7 @@ def _grads(ffn, dout, packed, up_val, l1, *, layout=DEFAULT_LAYOUT, dense_rows=N
     if dense_rows is None:
         dense_rows = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
     l1t = torch.tensor(float(l1), device=dout.device)
-    return K.sparse_ffn_backward(dout, *ffn.args(), packed, up_val, dense_rows, l1t, layout=layout,
+    return sparse_ffn_backward(dout, *ffn.args(), packed, up_val, dense_rows, l1t, layout=layout,
                                  dense_scratch_rows=scratch, dense_wgrad_gemm=gemm)
 
 
@@ -122,87 +126,6 @@ def cases(draw, dtypes=(torch.float32, torch.float16)):
 
 
 # ---------------------------------------------------------------------------------------------
-# The transposed (neuron-major) pair lists
-# ---------------------------------------------------------------------------------------------
-
-
-@st.composite
-def packed_cases(draw):
-    layout = draw(st.one_of(st.just(DEFAULT_LAYOUT),
-                            st.builds(lambda t, f: TwellLayout(tile_n=t, slots=max(1, round(f * t))),
-                                      st.sampled_from([2, 16, 64]), st.floats(0.0, 1.0))))
-    m = draw(sizes(1, 130, (1, 63, 64, 65, 128, 129)))
-    h = draw(sizes(1, 300, EDGE_H))
-    density = draw(densities())
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    pre = torch.where(torch.rand(m, h, generator=gen) < density, 1.0, -1.0)
-    dense = torch.rand(m, generator=gen) < draw(st.sampled_from([0.0, 0.1, 0.5]))
-    return R.pack_ref(pre, layout), dense, h, layout
-
-
-def _check_neuron_major(packed, dense, h, layout):
-    packed = TwellPacked(*(t.to(DEV) for t in packed))
-    dense = dense.to(DEV)
-    ptr, slots, neurons = K.neuron_major(packed, dense, h, layout=layout)
-    keys = torch.where(_stored_sparse(packed, dense), packed.idx.long(), h).reshape(-1)
-    order = torch.argsort(keys, stable=True)
-    n_pairs = int((keys < h).sum())
-    counts = torch.bincount(keys, minlength=h + 1)[:h]
-    expect_ptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    assert torch.equal(ptr.cpu(), expect_ptr.cpu())
-    assert torch.equal(slots[:n_pairs].long().cpu(), order[:n_pairs].cpu())
-    assert slots.numel() >= packed.idx.numel()  # capacity: every slot
-    _check_neuron_order(neurons.cpu(), counts.cpu())
-
-
-def _check_neuron_order(neurons, counts):
-    """``neurons``: every neuron once; each program's strided share by decreasing pair count, so
-    exactly decreasing when one program sorts them all."""
-    h = counts.numel()
-    assert neurons.dtype == torch.int32
-    assert torch.equal(neurons.long().sort().values, torch.arange(h))
-    n_chunks = -(-h // K._ORDER_BLOCK)
-    for c in range(n_chunks):
-        share = counts[neurons[c::n_chunks].long()]
-        assert torch.equal(neurons[c::n_chunks].long() % n_chunks, torch.full_like(share, c))
-        assert bool((share[:-1] >= share[1:]).all())
-
-
-@given(case=packed_cases())
-def test_neuron_major_is_a_stable_sort_by_neuron(case):
-    """Neuron j's list is its stored pairs of the sparse rows, in token order."""
-    _check_neuron_major(*case)
-
-
-def test_neuron_order_in_several_chunks():
-    """Above ``_ORDER_BLOCK`` neurons each program sorts a strided share; the order is still a
-    permutation with every share by decreasing count (skewed counts, H not a multiple of the chunks)."""
-    gen = torch.Generator().manual_seed(1)
-    h = 45
-    rate = torch.rand(h, generator=gen) ** 3
-    pre = torch.where(torch.rand(40, h, generator=gen) < rate, 1.0, -1.0)
-    dense = torch.zeros(40, dtype=torch.bool)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(K, "_ORDER_BLOCK", 8)
-        _check_neuron_major(R.pack_ref(pre, DEFAULT_LAYOUT), dense, h, DEFAULT_LAYOUT)
-
-
-def test_neuron_major_across_token_blocks():
-    """Ranks come from each block's token bits (``_RANK_TB`` tokens, up to 64 bits): neurons that
-    every token holds, across several blocks and a partial last one, with dense rows among them,
-    and small layouts (several tiles per row)."""
-    gen = torch.Generator().manual_seed(0)
-    m = 2 * K._RANK_TB + 7
-    for layout, h, rate in ((DEFAULT_LAYOUT, 260, 0.1), (TwellLayout(tile_n=16, slots=3), 40, 0.15)):
-        pre = torch.where(torch.rand(m, h, generator=gen) < rate, 1.0, -1.0)
-        pre[:, 3] = 1.0  # a neuron in every token: rank = the token's place in its block
-        pre[K._RANK_TB - 1:K._RANK_TB + 1, 5] = 1.0  # the last token of a block and the first of the next
-        dense = torch.rand(m, generator=gen) < 0.2
-        dense[K._RANK_TB - 1] = False
-        _check_neuron_major(R.pack_ref(pre, layout), dense, h, layout)
-
-
-# ---------------------------------------------------------------------------------------------
 # Parity with the reference
 # ---------------------------------------------------------------------------------------------
 
@@ -223,12 +146,10 @@ def test_matches_reference(case, gemm):
 
 def _grads_bitwise_as_when(switch: str, value, *args, **kwargs) -> R.Grads:
     """``_grads(*args, **kwargs)``, checked bitwise equal to the same call with the pair loops'
-    switch ``sparse_ffn.<switch>`` set to ``value``."""
-    from twell_compile.kernels import sparse_ffn as SF
-
+    switch ``pair_walk.<switch>`` set to ``value``."""
     default = _grads(*args, **kwargs)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SF, switch, value)
+        mp.setattr(PW, switch, value)
         switched = _grads(*args, **kwargs)
     for a, b in zip(default, switched):
         assert (a is None and b is None) or torch.equal(a, b), f"{switch}={value} changed the gradients"
@@ -264,7 +185,7 @@ def test_paired_slots_give_the_same_gradients(gated):
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_bf16_rows_read_as_pairs(gated):
-    """bf16 rows read as int32 pairs (``sparse_ffn.paired``) by the tokens and weight-gradient
+    """bf16 rows read as int32 pairs (``pair_walk.paired``) by the tokens and weight-gradient
     kernels: the reference's gradients, and bitwise the element-wise reads' ones. D spans two of
     the weight-gradient kernel's D slices. No dense row (their bf16 ``tl.dot`` does not run in the
     interpreter)."""
@@ -450,11 +371,11 @@ def test_backward_dense_rows_helper(gated):
     ffn.x[6, 3] = float("inf")
     packed, _ = _forward(ffn)
     expect = R.backward_dense_rows_ref(dout, *ffn.args(), packed)
-    assert torch.equal(K.backward_dense_rows(dout, *ffn.args(), packed), expect)
+    assert torch.equal(backward_dense_rows(dout, *ffn.args(), packed), expect)
     fwd = R.dense_rows_ref(*ffn.args(), packed)
-    assert torch.equal(K.backward_dense_rows(dout, *ffn.args(), packed, forward_rows=fwd), expect)
+    assert torch.equal(backward_dense_rows(dout, *ffn.args(), packed, forward_rows=fwd), expect)
     guard = fwd & ~packed.overflow_rows()  # what sparse_ffn.guard_rows returns
-    assert torch.equal(K.backward_dense_rows(dout, *ffn.args(), packed, forward_rows=guard), expect)
+    assert torch.equal(backward_dense_rows(dout, *ffn.args(), packed, forward_rows=guard), expect)
 
 
 @pytest.mark.parametrize("m,d,h", [(0, 8, 20), (3, 1, 1), (1, 1, 129), (2, 40, 130)])
@@ -485,9 +406,9 @@ def test_argument_errors_name_the_argument():
     }
     for name, value in bad.items():
         with pytest.raises((ValueError, TypeError), match=name):
-            K.sparse_ffn_backward(**{**args, name: value})
+            sparse_ffn_backward(**{**args, name: value})
     with pytest.raises(ValueError, match="bg"):
-        K.sparse_ffn_backward(**{**args, "wg": None})
+        sparse_ffn_backward(**{**args, "wg": None})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,20 +471,20 @@ def test_gpu_matches_reference(dtype, gated):
 @pytest.mark.parametrize("l1_per_token", [0.0, 0.3])
 def test_gpu_accuracy_vs_float64_at_benchmark_shape(density, l1_per_token):
     """M=4096, D=2048, H=5632, bf16: each gradient's ‖g − g₆₄‖/‖g₆₄‖ is no worse than dense bf16
-    autograd's (×1.05, DESIGN.md section 5)."""
+    autograd's (×1.05, docs/architecture.md, 'Exactness contract')."""
     m, d, h = 4096, 2048, 5632
     ffn = _gpu_ffn(m, d, h, density, seed=2)
     dout = (torch.randn(m, d, device="cuda", dtype=torch.float64) * 0.1).to(torch.bfloat16)
     l1 = l1_per_token * m
     packed, up_val = _forward(ffn)
-    rows = K.backward_dense_rows(dout, *ffn.args(), packed)
+    rows = backward_dense_rows(dout, *ffn.args(), packed)
     _, ref64 = dense_grads(ffn.double(), dout.double(), l1)
     _, dense16 = dense_grads(ffn, dout, l1)
     heavy = rows.clone()
     heavy[::32] = True  # 128 rows dense: their weight gradients as GEMMs or gathered per neuron
     for label, dense_rows, gemm in (("", rows, False), ("128 dense rows, gemm ", heavy, True),
                                     ("128 dense rows ", heavy, False)):
-        got = K.sparse_ffn_backward(dout, *ffn.args(), packed, up_val, dense_rows, torch.tensor(l1, device="cuda"),
+        got = sparse_ffn_backward(dout, *ffn.args(), packed, up_val, dense_rows, torch.tensor(l1, device="cuda"),
                                     dense_wgrad_gemm=gemm)
         for name, g in zip(GRAD_NAMES, got):
             ours = rel_error(g, ref64[name])
@@ -575,8 +496,8 @@ def test_gpu_accuracy_vs_float64_at_benchmark_shape(density, l1_per_token):
 @needs_cuda
 def test_gpu_hot_neurons_split_over_programs():
     """M=4096, D=2048, H=5632, bf16, 0.5% density, with 9 neurons active on half the tokens (~2048
-    pairs each, past ``_HOT_SPLIT_MIN``): the weight-gradient kernel splits their pairs over
-    ``_HOT_SEGMENTS`` programs. Each gradient is as accurate as dense bf16 autograd against
+    pairs each, past ``HOT_SPLIT_MIN``): the weight-gradient kernel splits their pairs over
+    ``HOT_SEGMENTS`` programs. Each gradient is as accurate as dense bf16 autograd against
     float64, and bitwise the same run to run (the segments are summed in a fixed order)."""
     m, d, h = 4096, 2048, 5632
     ffn = _gpu_ffn(m, d, h, 0.005, seed=4)
@@ -585,15 +506,15 @@ def test_gpu_hot_neurons_split_over_programs():
     dout = (torch.randn(m, d, device="cuda", dtype=torch.float64) * 0.1).to(torch.bfloat16)
     l1 = 0.3 * m
     packed, up_val = _forward(ffn)
-    assert int((packed.idx[packed.stored_mask()] == 700).sum()) >= K._HOT_SPLIT_MIN
-    rows = K.backward_dense_rows(dout, *ffn.args(), packed)
+    assert int((packed.idx[packed.stored_mask()] == 700).sum()) >= HOT_SPLIT_MIN
+    rows = backward_dense_rows(dout, *ffn.args(), packed)
     rows[::512] = True  # 8 dense rows: segment 0 of each split neuron adds them
     _, ref64 = dense_grads(ffn.double(), dout.double(), l1)
     _, dense16 = dense_grads(ffn, dout, l1)
     for gemm in (False, True):
         args = (dout, *ffn.args(), packed, up_val, rows, torch.tensor(l1, device="cuda"))
-        got = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
-        again = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
+        got = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
+        again = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
         for name, g, g2 in zip(GRAD_NAMES, got, again):
             if g is None:
                 continue
@@ -611,16 +532,16 @@ def test_gpu_no_host_sync_cuda_graph_and_determinism(gemm):
     ffn = _gpu_ffn(m, d, h, 0.02, seed=3)
     dout = torch.randn(m, d, device="cuda").to(torch.bfloat16)
     packed, up_val = _forward(ffn)
-    rows = K.backward_dense_rows(dout, *ffn.args(), packed)
+    rows = backward_dense_rows(dout, *ffn.args(), packed)
     rows[[3, 100, 1999]] = True  # a few dense rows
     l1 = torch.tensor(0.3 * m, device="cuda")
     args = (dout, *ffn.args(), packed, up_val, rows, l1)
-    first = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)  # warm-up: compiles and autotunes (synchronises)
+    first = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)  # warm-up: compiles and autotunes (synchronises)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        again = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
-        K.backward_dense_rows(dout, *ffn.args(), packed)
+        again = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
+        backward_dense_rows(dout, *ffn.args(), packed)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for name, a, b in zip(GRAD_NAMES, first, again):
@@ -632,14 +553,14 @@ def test_gpu_no_host_sync_cuda_graph_and_determinism(gemm):
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph):
-            captured = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
+            captured = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
     torch.cuda.current_stream().wait_stream(stream)
     new_dout = torch.randn_like(dout)
     dout.copy_(new_dout)
     l1.fill_(0.1 * m)
     graph.replay()
     torch.cuda.synchronize()
-    eager = K.sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
+    eager = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm)
     for name, a, b in zip(GRAD_NAMES, captured, eager):
         if a is not None:
             assert torch.equal(a, b), f"{name}: graph replay differs from eager"

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():  # before the kernel modules are imported (DESIGN.md section 9)
+if not torch.cuda.is_available():  # before the kernel modules are imported (docs/architecture.md, 'Testing')
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

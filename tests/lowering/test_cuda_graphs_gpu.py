@@ -18,14 +18,21 @@ import pytest
 import torch
 
 from twell_compile.bench import make_problem
-from twell_compile.lowering import cuda_impl, telemetry
+from twell_compile.lowering import cuda_ffn, force_path, telemetry
+from twell_compile.lowering.dispatch_policy import (
+    SPARSE_MIN_TOKENS,
+    SPARSE_MIN_TOKENS_CAPTURED,
+    is_warm,
+    layer_policy,
+    problem_signature,
+)
 
 from tests.ffn_models import GatedFFN, assert_close, eager_loss, reset_state
 
 pytestmark = pytest.mark.gpu
 
-TOKENS = cuda_impl.SPARSE_MIN_TOKENS_CAPTURED
-assert TOKENS < cuda_impl.SPARSE_MIN_TOKENS  # outside capture, TOKENS alone would not go sparse
+TOKENS = SPARSE_MIN_TOKENS_CAPTURED
+assert TOKENS < SPARSE_MIN_TOKENS  # outside capture, TOKENS alone would not go sparse
 
 
 def _capture(fn):
@@ -46,11 +53,8 @@ def _eager_calls(fn, n):
 
 
 def _sparse_reference(fn):
-    cuda_impl.FORCE_PATH = "sparse"
-    try:
+    with force_path("sparse"):
         return fn()
-    finally:
-        cuda_impl.FORCE_PATH = None
 
 
 def test_graph_records_the_sparse_path_once_the_layer_is_measured_and_tuned():
@@ -74,7 +78,7 @@ def test_graph_records_a_sparse_training_step_bitwise_the_eager_one():
     coeff = torch.tensor(2e-5, device="cuda")
 
     def step():
-        out = torch.ops.twell.ffn_train(*params, None, None, None, coeff, 1, layer)[0]
+        out = torch.ops.twell.ffn_train(*params, None, None, None, coeff, torch.ones_like(coeff), layer)[0]
         return (out, *torch.autograd.grad(out, params, dout))
 
     _eager_calls(step, 3)
@@ -97,18 +101,18 @@ def test_graph_of_a_dense_training_step_hands_its_activations_to_the_backward(mo
     dout = torch.randn_like(x)
     coeff = torch.tensor(2e-5, device="cuda")
     taken = []
-    take = cuda_impl._take_saved
-    monkeypatch.setattr(cuda_impl, "_take_saved", lambda key, *, dense: taken.append(take(key, dense=dense)) or taken[-1])
+    take = cuda_ffn.take_saved  # the dense backward's (the sparse one's is sparse_path's)
+    monkeypatch.setattr(cuda_ffn, "take_saved", lambda key, *, dense: taken.append(take(key, dense=dense)) or taken[-1])
 
     def step():
-        out = torch.ops.twell.ffn_train(*params, None, None, None, coeff, 1, layer)[0]
+        out = torch.ops.twell.ffn_train(*params, None, None, None, coeff, torch.ones_like(coeff), layer)[0]
         return (out, *torch.autograd.grad(out, params, dout))
 
-    monkeypatch.setattr(cuda_impl, "FORCE_PATH", "dense")
-    _eager_calls(step, 2)
-    want = [t.detach().clone() for t in step()]  # detached: an eager autograd graph kept alive breaks the capture
-    taken.clear()
-    got = _capture(step)
+    with force_path("dense"):
+        _eager_calls(step, 2)
+        want = [t.detach().clone() for t in step()]  # detached: an eager autograd graph kept alive breaks the capture
+        taken.clear()
+        got = _capture(step)
     assert len(taken) == 1 and taken[0] is not None, "the captured backward used the forward's activations"
     for g, w, name in zip(got, want, ("out", "dx", "dwg", "dwu", "dwd")):
         assert torch.equal(g, w), name
@@ -119,11 +123,11 @@ def test_graph_records_the_dense_path_for_kernels_never_tuned_outside_it():
     # a problem size no other test runs sparse, measured on calls too small to go sparse eagerly
     x, wg, wu, wd = make_problem(TOKENS, 1536, 4224, 0.004, skewed=False)
     small = x[: TOKENS // 2]
-    signature = cuda_impl._signature(x, wg, wu, None, None, None, False)
+    signature = problem_signature(x, wg, wu, None, None, None, False)
     with torch.no_grad():
         _eager_calls(lambda: torch.ops.twell.ffn(small, wg, wu, wd, None, None, None, layer), 2)
-        assert not cuda_impl._warm(signature)
-        assert cuda_impl._policy(layer, x.device).choose(training=False)  # its density is sparse
+        assert not is_warm(signature)
+        assert layer_policy(layer, x.device).choose(training=False)  # its density is sparse
         out = _capture(lambda: torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, layer))
     assert telemetry.snapshot()[layer]["sparse"] == 0.0
     want = torch.nn.functional.linear(torch.relu(x @ wg.T) * (x @ wu.T), wd)

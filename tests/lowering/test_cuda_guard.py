@@ -1,4 +1,4 @@
-"""The CUDA path's finiteness guard (``lowering/cuda_impl.py``): its kernels run under the interpreter on CPU.
+"""The CUDA path's finiteness guard (``lowering/sparse_path.py``): its kernels run under the interpreter on CPU.
 
 The forward's guard runs inside ``sparse_ffn``, which marks the rows it sends dense in the counts;
 the backward adds the rows of ``dout``. Each must flag at least every row the reference guard
@@ -10,9 +10,15 @@ thresholds in and out of CUDA-graph capture (pure host logic).
 import pytest
 import torch
 
+from twell_compile.kernels import DEFAULT_LAYOUT
 from twell_compile.kernels import reference as R
-from twell_compile.kernels.format import DEFAULT_LAYOUT
-from twell_compile.lowering import cuda_impl
+from twell_compile.lowering import capture, cuda_ffn, cuda_graphs, dispatch_policy, sparse_path, weight_cache
+from twell_compile.lowering.capture import prepare_capture
+from twell_compile.lowering.dense_path import dense_backward, dense_forward
+from twell_compile.lowering.dispatch_policy import LayerPolicy, force_path, is_warm, problem_signature, takes_sparse
+from twell_compile.lowering.handoff import HANDOFF, remember, take_saved
+from twell_compile.lowering.sparse_path import backward_guard_rows, sparse_forward
+from twell_compile.lowering.weight_cache import WeightPrep
 
 
 def _ffn(m=12, d=16, h=40, dtype=torch.float16, seed=0):
@@ -32,7 +38,7 @@ def _reference_guard(x, wg, wu, wd, bg, bu, bd):
 def _forward_dense_rows(x, wg, wu, wd, bg, bu, bd):
     """The rows the sparse forward computes densely, as its counts tell the backward: rows with an
     overflowed tile, and the guard's rows, which ``sparse_ffn`` marks overflowed."""
-    res = cuda_impl._sparse_forward(x, wg, wu, wd, bg, bu, bd, False, False)
+    res = sparse_forward(x, wg, wu, wd, bg, bu, bd, False, False)
     return res.packed.overflow_rows(), res
 
 
@@ -61,7 +67,7 @@ def test_guard_plain_ffn_flags_only_nonfinite_rows():
 def test_guard_marks_only_rows_without_an_overflowed_tile():
     """A guard row keeps its true counts in every tile but the first, which becomes slots + 1; a
     row that already overflows keeps its counts."""
-    from twell_compile.kernels.gate_pack import gate_pack
+    from twell_compile.kernels import gate_pack
 
     slots = DEFAULT_LAYOUT.slots
     for h, marked_rows in ((slots, [1, 6]), (40, [])):  # a tile of <= slots columns never overflows
@@ -100,7 +106,7 @@ def test_backward_guard_adds_dout_rows_to_the_forwards_dense_rows():
     _, res = _forward_dense_rows(x, wg, wu, wd, bg, bu, bd)
     dout = torch.randn_like(x)
     dout[3, 2] = float("nan")
-    got, listed = cuda_impl._backward_guard_rows(dout, cuda_impl._WeightPrep.get(wg, wu, wd, bg, bu, bd)[1], res.packed)
+    got, listed = backward_guard_rows(dout, WeightPrep.get(wg, wu, wd, bg, bu, bd)[1], res.packed)
     ref = R.backward_dense_rows_ref(dout, x, wg, wu, wd, bg, bu, bd, R.gate_pack_ref(x, wg, bg))
     assert bool((got | ~ref).all())
     assert got[3] and got[5]
@@ -113,20 +119,18 @@ def test_weight_prep_runs_at_most_once_per_forward_and_once_per_backward(monkeyp
     """Uncached (under capture, or for layers compiled for CUDA graphs) the per-weight work is a
     launch that reads every weight: each direction makes it once and passes it on. Cached, a
     step with unchanged weights makes it once in all."""
-    from twell_compile.kernels import weights
-
     x, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
     wd = wd.clone()  # a weight no other test has cached
     calls = []
-    real = weights.weight_prep
-    monkeypatch.setattr(weights, "weight_prep", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = weight_cache.weight_prep
+    monkeypatch.setattr(weight_cache, "weight_prep", lambda *a, **k: calls.append(1) or real(*a, **k))
     layer = 8_888
     if not keep:
-        monkeypatch.setattr(cuda_impl, "_CUDA_GRAPH_LAYERS", {layer})
-    res = cuda_impl._sparse_forward(x, wg, wu, wd, None, bu, bd, True, False, keep=keep)
+        monkeypatch.setattr(cuda_graphs, "CUDA_GRAPH_LAYERS", {layer})
+    res = sparse_forward(x, wg, wu, wd, None, bu, bd, True, False, keep=keep)
     assert len(calls) == 1
     dout = torch.randn_like(x)
-    cuda_impl.backward(dout, x, wg, wu, wd, None, bu, bd, res.packed, res.up_val, torch.tensor(0.0), layer=layer)
+    cuda_ffn.backward(dout, x, wg, wu, wd, None, bu, bd, res.packed, res.up_val, torch.tensor(0.0), layer=layer)
     assert len(calls) == (1 if keep else 2)
 
 
@@ -146,11 +150,11 @@ def test_dense_backward_on_saved_activations_equals_recomputing():
         wg = wg if gated else None
         dout = torch.randn_like(x)
         scale = torch.tensor(0.3, dtype=torch.float64)
-        res, saved = cuda_impl._dense_forward(x, wg, wu, wd, None, bu, None, True, False)
+        res, saved = dense_forward(x, wg, wu, wd, None, bu, None, True, False)
         assert len(saved) == 3
         before = [t.clone() for t in saved]
-        kept = cuda_impl._dense_backward(dout, x, wg, wu, wd, None, bu, None, scale, saved)
-        recomputed = cuda_impl._dense_backward(dout, x, wg, wu, wd, None, bu, None, scale)
+        kept = dense_backward(dout, x, wg, wu, wd, None, bu, None, scale, saved)
+        recomputed = dense_backward(dout, x, wg, wu, wd, None, bu, None, scale)
         _grads_close(kept, recomputed)
         # and both are autograd of loss + scale · (1/M) Σ|h|
         ref = R.ffn_backward_ref(dout, x, wg, wu, wd, None, bu, None, R.gate_pack_ref(x, wg if gated else wu, None if gated else bu),
@@ -165,46 +169,43 @@ def test_dense_backward_on_saved_activations_equals_recomputing():
 
 def test_saved_activations_are_popped_once_and_not_kept_under_saved_tensor_hooks():
     count = torch.zeros(4, 2, dtype=torch.int32)
-    cuda_impl._remember(count, True, ("act", "up", "h"))
-    assert cuda_impl._take_saved(count.data_ptr(), dense=True) == ("act", "up", "h")
-    assert cuda_impl._take_saved(count.data_ptr(), dense=True) is None  # popped
-    cuda_impl._remember(count, False, None)  # a later sparse forward at the same address clears it
-    assert count.data_ptr() not in cuda_impl._HANDOFF
-    cuda_impl._remember(count, True, ("act", "up", "h"))
-    cuda_impl._remember(count, False)
-    assert count.data_ptr() not in cuda_impl._HANDOFF
+    remember(count, True, ("act", "up", "h"))
+    assert take_saved(count.data_ptr(), dense=True) == ("act", "up", "h")
+    assert take_saved(count.data_ptr(), dense=True) is None  # popped
+    remember(count, False, None)  # a later sparse forward at the same address clears it
+    assert count.data_ptr() not in HANDOFF
+    remember(count, True, ("act", "up", "h"))
+    remember(count, False)
+    assert count.data_ptr() not in HANDOFF
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        cuda_impl._remember(count, True, ("act", "up", "h"))
-    assert count.data_ptr() not in cuda_impl._HANDOFF
+        remember(count, True, ("act", "up", "h"))
+    assert count.data_ptr() not in HANDOFF
 
 
 def test_a_backward_being_captured_takes_only_activations_a_capture_recorded(monkeypatch):
     """Activations kept by an eager forward would be freed after a captured backward's use while
     its graph kept reading their memory; those a capture recorded live in the graph's pool."""
     count = torch.zeros(4, 2, dtype=torch.int32)
-    cuda_impl._remember(count, True, ("act", "up", "h"))  # eager forward
-    monkeypatch.setattr(cuda_impl, "_capturing", lambda: True)
-    assert cuda_impl._take_saved(count.data_ptr(), dense=True) is None
-    assert count.data_ptr() not in cuda_impl._HANDOFF  # dropped, not left to go stale
-    cuda_impl._remember(count, True, ("act", "up", "h"))  # captured forward
-    assert cuda_impl._take_saved(count.data_ptr(), dense=True) == ("act", "up", "h")
-    cuda_impl._remember(count, True, ("act", "up", "h"))
-    monkeypatch.setattr(cuda_impl, "_capturing", lambda: False)  # an eager backward after a replay
-    assert cuda_impl._take_saved(count.data_ptr(), dense=True) == ("act", "up", "h")
-    cuda_impl._remember(count, True, ("act", "up", "h"))
-    assert cuda_impl._take_saved(count.data_ptr(), dense=False) is None  # only the path that made it
+    remember(count, True, ("act", "up", "h"))  # eager forward
+    monkeypatch.setattr(cuda_graphs, "capturing", lambda: True)
+    assert take_saved(count.data_ptr(), dense=True) is None
+    assert count.data_ptr() not in HANDOFF  # dropped, not left to go stale
+    remember(count, True, ("act", "up", "h"))  # captured forward
+    assert take_saved(count.data_ptr(), dense=True) == ("act", "up", "h")
+    remember(count, True, ("act", "up", "h"))
+    monkeypatch.setattr(cuda_graphs, "capturing", lambda: False)  # an eager backward after a replay
+    assert take_saved(count.data_ptr(), dense=True) == ("act", "up", "h")
+    remember(count, True, ("act", "up", "h"))
+    assert take_saved(count.data_ptr(), dense=False) is None  # only the path that made it
 
 
 def test_a_captured_sparse_step_makes_the_weight_prep_once(monkeypatch):
     """Under capture nothing is cached per weight: the sparse forward hands its prep to the
     backward instead of the backward launching it again; the gradients are the same."""
-    from twell_compile.kernels import weights
-
     x, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
     calls = []
-    real = weights.weight_prep
-    monkeypatch.setattr(weights, "weight_prep", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(cuda_impl, "FORCE_PATH", "sparse")
+    real = weight_cache.weight_prep
+    monkeypatch.setattr(weight_cache, "weight_prep", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     class Policy:  # the real one copies counters to pinned memory: CUDA only
         calls = 1
@@ -215,20 +216,21 @@ def test_a_captured_sparse_step_makes_the_weight_prep_once(monkeypatch):
         def expects_dense_rows(self, *_):
             return False
 
-    monkeypatch.setattr(cuda_impl, "_policy", lambda *_, **__: Policy())
+    monkeypatch.setitem(dispatch_policy.POLICIES, (8_889, 0), Policy())
     dout = torch.randn_like(x)
 
     def step(capturing):
-        monkeypatch.setattr(cuda_impl, "_capturing", lambda: capturing)
+        monkeypatch.setattr(cuda_graphs, "capturing", lambda: capturing)
         w = wd.clone()  # uncached in both runs
-        res, sparse = cuda_impl.forward(x, wg, wu, w, None, bu, bd, layer=8_889, training=True)
+        res, sparse = cuda_ffn.forward(x, wg, wu, w, None, bu, bd, layer=8_889, training=True)
         assert sparse
-        return cuda_impl.backward(dout, x, wg, wu, w, None, bu, bd, res.packed, res.up_val, torch.tensor(0.0), layer=8_889)
+        return cuda_ffn.backward(dout, x, wg, wu, w, None, bu, bd, res.packed, res.up_val, torch.tensor(0.0), layer=8_889)
 
-    eager = step(False)
-    assert len(calls) == 1  # the backward hit the cache
-    captured = step(True)
-    assert len(calls) == 2, "the captured backward used the forward's prep"
+    with force_path("sparse"):
+        eager = step(False)
+        assert len(calls) == 1  # the backward hit the cache
+        captured = step(True)
+        assert len(calls) == 2, "the captured backward used the forward's prep"
     for name in ("dx", "dwg", "dwu", "dwd", "dbu"):
         assert torch.equal(getattr(captured, name), getattr(eager, name)), name
 
@@ -237,27 +239,27 @@ def test_weight_prep_is_kept_until_a_weight_changes():
     """The bounds and the ``Wdᵀ`` rows come from one launch, kept per down weight while no weight
     changes (any of them: the bounds depend on all), and match ``guard_bounds`` and
     ``transposed``."""
-    from twell_compile.kernels.weights import guard_bounds, transposed
+    from twell_compile.kernels import guard_bounds, transposed
 
     _, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
-    first = cuda_impl._WeightPrep.get(wg, wu, wd, None, bu, bd)
+    first = WeightPrep.get(wg, wu, wd, None, bu, bd)
     fwd, bwd = guard_bounds(wg, wu, wd, None, bu, bd)
     assert torch.equal(first[0], fwd) and torch.equal(first[1], bwd)
     assert first[2].t().is_contiguous() and torch.equal(first[2].t(), transposed(wd))
-    assert cuda_impl._WeightPrep.get(wg, wu, wd, None, bu, bd) is first
+    assert WeightPrep.get(wg, wu, wd, None, bu, bd) is first
     wd.mul_(2)  # in-place update: version bump
-    second = cuda_impl._WeightPrep.get(wg, wu, wd, None, bu, bd)
+    second = WeightPrep.get(wg, wu, wd, None, bu, bd)
     assert second is not first and torch.equal(second[2], wd)
     wu.mul_(2)
-    third = cuda_impl._WeightPrep.get(wg, wu, wd, None, bu, bd)
+    third = WeightPrep.get(wg, wu, wd, None, bu, bd)
     assert third is not second and torch.equal(third[2], second[2]) and not torch.equal(third[0], second[0])
     rows = torch.randn(wd.shape[1], wd.shape[0])
-    assert cuda_impl._WeightPrep.get(wg, wu, rows.t(), None, bu, bd)[2].data_ptr() == rows.data_ptr()  # no copy
+    assert WeightPrep.get(wg, wu, rows.t(), None, bu, bd)[2].data_ptr() == rows.data_ptr()  # no copy
 
 
 def _measured_policy(density: float, dense_row_fraction: float = 0.0):
     """A policy whose last call measured ``density`` (no pinned buffer on a CPU machine)."""
-    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
+    policy = LayerPolicy.__new__(LayerPolicy)
     policy.event, policy.measured, policy.density, policy.dense_row_fraction = None, True, density, dense_row_fraction
     return policy
 
@@ -267,46 +269,46 @@ def test_token_thresholds_in_and_out_of_capture(monkeypatch):
     while the problem is cold (to tune its kernels) where a capture would record it sparse; in a
     capture: from SPARSE_MIN_TOKENS_CAPTURED, warm problems only. A training problem is warm once
     both its forward and backward ran."""
-    monkeypatch.setattr(cuda_impl, "_WARM", set())
-    low, high = cuda_impl.SPARSE_MIN_TOKENS_CAPTURED, cuda_impl.SPARSE_MIN_TOKENS
-    assert low < cuda_impl.SPARSE_FULL_TOKENS_CAPTURED < high
+    monkeypatch.setattr(dispatch_policy, "WARM", set())
+    low, high = dispatch_policy.SPARSE_MIN_TOKENS_CAPTURED, dispatch_policy.SPARSE_MIN_TOKENS
+    assert low < dispatch_policy.SPARSE_FULL_TOKENS_CAPTURED < high
     policy = _measured_policy(0.001)
     x, wg, wu, wd, bg, bu, bd = _ffn()
     for training in (False, True):
-        sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, training)
-        takes = lambda m, capturing: cuda_impl._takes_sparse(policy, m, sig, training, capturing)  # noqa: E731
-        assert not cuda_impl._warm(sig)
+        sig = problem_signature(x, wg, wu, bg, bu, bd, training)
+        takes = lambda m, capturing: takes_sparse(policy, m, sig, training, capturing)  # noqa: E731
+        assert not is_warm(sig)
         assert [takes(m, False) for m in (low - 1, low, high - 1, high)] == [False, True, True, True]
         assert [takes(m, True) for m in (low, high)] == [False, False]
-        cuda_impl._WARM.add(("forward", *sig))
-        assert cuda_impl._warm(sig) == (not training)
-        cuda_impl._WARM.add(("backward", *sig))
-        assert cuda_impl._warm(sig)
+        dispatch_policy.WARM.add(("forward", *sig))
+        assert is_warm(sig) == (not training)
+        dispatch_policy.WARM.add(("backward", *sig))
+        assert is_warm(sig)
         assert [takes(m, False) for m in (low - 1, low, high - 1, high)] == [False, False, False, True]
         assert [takes(m, True) for m in (low - 1, low, high)] == [False, True, True]
-    assert cuda_impl._signature(x, None, wu, None, bu, bd, False) != cuda_impl._signature(x, wg, wu, bg, bu, bd, False)
+    assert problem_signature(x, None, wu, None, bu, bd, False) != problem_signature(x, wg, wu, bg, bu, bd, False)
 
 
 def test_every_call_takes_in_the_counters_so_that_a_capture_knows_the_density(monkeypatch):
     """A warm problem's eager calls under SPARSE_MIN_TOKENS tokens go dense without asking the
     policy; they must still take in each completed counters copy, or a later capture would find the
-    layer's density unknown and record the dense path (session 31's bench at 3072-4096 tokens)."""
-    monkeypatch.setattr(cuda_impl, "_WARM", set())
+    layer's density unknown and record the dense path (as the bench did at 3072-4096 tokens)."""
+    monkeypatch.setattr(dispatch_policy, "WARM", set())
     x, wg, wu, wd, bg, bu, bd = _ffn()
-    sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, False)
-    cuda_impl._WARM.add(("forward", *sig))
+    sig = problem_signature(x, wg, wu, bg, bu, bd, False)
+    dispatch_policy.WARM.add(("forward", *sig))
 
     class Completed:
         def query(self):
             return True
 
-    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
-    policy.event, policy.measured, policy._hidden = Completed(), False, wu.shape[0]
+    policy = LayerPolicy.__new__(LayerPolicy)
+    policy.event, policy.measured, policy.hidden = Completed(), False, wu.shape[0]
     policy.density = policy.dense_row_fraction = 1.0
-    tokens = cuda_impl.SPARSE_MIN_TOKENS_CAPTURED
+    tokens = dispatch_policy.SPARSE_MIN_TOKENS_CAPTURED
     policy.host = torch.tensor([1.0, tokens, 0.001 * tokens * wu.shape[0], 0.0, 0.0, float("nan")], dtype=torch.float64)
-    assert not cuda_impl._takes_sparse(policy, tokens, sig, False, False)  # eager, warm, few tokens: dense
-    assert policy.measured and policy.density < cuda_impl.SPARSE_MAX_DENSITY_FEW_TOKENS
+    assert not takes_sparse(policy, tokens, sig, False, False)  # eager, warm, few tokens: dense
+    assert policy.measured and policy.density < dispatch_policy.SPARSE_MAX_DENSITY_FEW_TOKENS
     assert policy.choose_captured(False, tokens)
 
 
@@ -314,23 +316,23 @@ def test_a_capture_of_few_tokens_records_the_sparse_path_only_at_a_lower_density
     """Below SPARSE_FULL_TOKENS_CAPTURED tokens the sparse path's fixed costs weigh more, so a
     capture records it only under SPARSE_MAX_DENSITY_FEW_TOKENS; from there under the eager
     density limit. A cold problem goes sparse outside capture only where a capture would."""
-    monkeypatch.setattr(cuda_impl, "_WARM", set())
-    low, full = cuda_impl.SPARSE_MIN_TOKENS_CAPTURED, cuda_impl.SPARSE_FULL_TOKENS_CAPTURED
-    few = cuda_impl.SPARSE_MAX_DENSITY_FEW_TOKENS
+    monkeypatch.setattr(dispatch_policy, "WARM", set())
+    low, full = dispatch_policy.SPARSE_MIN_TOKENS_CAPTURED, dispatch_policy.SPARSE_FULL_TOKENS_CAPTURED
+    few = dispatch_policy.SPARSE_MAX_DENSITY_FEW_TOKENS
     x, wg, wu, wd, bg, bu, bd = _ffn()
     for training in (False, True):
-        limit = cuda_impl.SPARSE_MAX_DENSITY["training" if training else "inference"]
+        limit = dispatch_policy.SPARSE_MAX_DENSITY["training" if training else "inference"]
         assert few < limit
-        sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, training)
+        sig = problem_signature(x, wg, wu, bg, bu, bd, training)
         between = _measured_policy((few + limit) / 2)
         below = _measured_policy(few / 2)
         assert [between.choose_captured(training, m) for m in (low - 1, low, full - 1, full)] == [False, False, False, True]
         assert [below.choose_captured(training, m) for m in (low - 1, low, full - 1, full)] == [False, True, True, True]
         assert between.choose(training) and below.choose(training)  # eager calls: the one limit
         # cold: the tuning call goes sparse only where a capture would record it sparse
-        assert not cuda_impl._takes_sparse(between, low, sig, training, False)
-        assert cuda_impl._takes_sparse(between, full, sig, training, False)
-        assert cuda_impl._takes_sparse(below, low, sig, training, False)
+        assert not takes_sparse(between, low, sig, training, False)
+        assert takes_sparse(between, full, sig, training, False)
+        assert takes_sparse(below, low, sig, training, False)
 
 
 def test_a_cuda_graph_warm_up_tunes_the_sparse_kernels_only_for_a_sparse_layer(monkeypatch):
@@ -339,30 +341,30 @@ def test_a_cuda_graph_warm_up_tunes_the_sparse_kernels_only_for_a_sparse_layer(m
     so the recording can take the sparse path; nothing per weight is kept (the graphs' memory pool
     forbids it)."""
     layer = 4_242
-    monkeypatch.setattr(cuda_impl, "_WARM", set())
-    monkeypatch.setattr(cuda_impl, "_CUDA_GRAPH_LAYERS", {layer})
-    monkeypatch.setattr(cuda_impl._WeightPrep, "_cache", {})
+    monkeypatch.setattr(dispatch_policy, "WARM", set())
+    monkeypatch.setattr(cuda_graphs, "CUDA_GRAPH_LAYERS", {layer})
+    monkeypatch.setattr(WeightPrep, "cache", {})
     x, wg, wu, wd, bg, bu, bd = _ffn(dtype=torch.float32)
-    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)  # no pinned buffer on a CPU machine
+    policy = LayerPolicy.__new__(LayerPolicy)  # no pinned buffer on a CPU machine
     policy.event, policy.measured, policy.dense_row_fraction = None, True, 0.0
-    monkeypatch.setattr(cuda_impl, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0])
+    monkeypatch.setattr(dispatch_policy, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0])
     for training in (False, True):
-        sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, training)
-        prepare = lambda sparse: cuda_impl._prepare_capture(  # noqa: E731
+        sig = problem_signature(x, wg, wu, bg, bu, bd, training)
+        prepare = lambda sparse: prepare_capture(  # noqa: E731
             policy, x, wg, wu, wd, bg, bu, bd, sparse, training, sig, layer)
         policy.density = 0.5  # measured dense: the recording takes the dense path, nothing to tune
         prepare(False)
-        assert not cuda_impl._warm(sig)
+        assert not is_warm(sig)
         policy.density = 0.001
         prepare(True)  # this call ran sparse: its own kernels were tuned
-        assert not cuda_impl._warm(sig)
-        monkeypatch.setattr(cuda_impl, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0] + 1)
+        assert not is_warm(sig)
+        monkeypatch.setattr(dispatch_policy, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0] + 1)
         prepare(False)  # too few tokens to be recorded sparse
-        assert not cuda_impl._warm(sig)
-        monkeypatch.setattr(cuda_impl, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0])
+        assert not is_warm(sig)
+        monkeypatch.setattr(dispatch_policy, "SPARSE_MIN_TOKENS_CAPTURED", x.shape[0])
         prepare(False)
-        assert cuda_impl._warm(sig)
-    assert cuda_impl._WeightPrep._cache == {}
+        assert is_warm(sig)
+    assert WeightPrep.cache == {}
 
     # A new layer of a tuned problem: its first counters are read on its warm-up call, so that the
     # capture that follows (which cannot read them) knows the layer is sparse.
@@ -375,12 +377,12 @@ def test_a_cuda_graph_warm_up_tunes_the_sparse_kernels_only_for_a_sparse_layer(m
         def query(self):
             return self.synchronized
 
-    fresh = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
-    fresh.event, fresh.measured, fresh._hidden = CopiedEvent(), False, wu.shape[0]
+    fresh = LayerPolicy.__new__(LayerPolicy)
+    fresh.event, fresh.measured, fresh.hidden = CopiedEvent(), False, wu.shape[0]
     fresh.density = fresh.dense_row_fraction = 1.0
     tokens, active = x.shape[0], 0.001 * x.shape[0] * wu.shape[0]
     fresh.host = torch.tensor([1.0, tokens, active, 0.0, 0.0, float("nan")], dtype=torch.float64)
-    cuda_impl._prepare_capture(fresh, x, wg, wu, wd, bg, bu, bd, False, True, sig, layer)
+    prepare_capture(fresh, x, wg, wu, wd, bg, bu, bd, False, True, sig, layer)
     assert fresh.measured and fresh.density < 0.01 and fresh.choose(training=True)
 
 
@@ -388,29 +390,29 @@ def test_a_warm_up_without_memory_for_the_sparse_kernels_only_warns(monkeypatch)
     """The warm-up's extra sparse run needs memory the call itself did not: running out of it
     leaves the layer cold (its capture records dense) and the call's result stands."""
     layer = 4_243
-    monkeypatch.setattr(cuda_impl, "_WARM", set())
-    monkeypatch.setattr(cuda_impl, "SPARSE_MIN_TOKENS_CAPTURED", 1)
+    monkeypatch.setattr(dispatch_policy, "WARM", set())
+    monkeypatch.setattr(dispatch_policy, "SPARSE_MIN_TOKENS_CAPTURED", 1)
 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(cuda_impl, "_sparse_forward", out_of_memory)
+    monkeypatch.setattr(capture, "sparse_forward", out_of_memory)
     x, wg, wu, wd, bg, bu, bd = _ffn(dtype=torch.float32)
     policy = _measured_policy(0.001)
-    sig = cuda_impl._signature(x, wg, wu, bg, bu, bd, True)
+    sig = problem_signature(x, wg, wu, bg, bu, bd, True)
     with pytest.warns(RuntimeWarning, match=f"layer {layer}.*dense path"):
-        cuda_impl._prepare_capture(policy, x, wg, wu, wd, bg, bu, bd, False, True, sig, layer)
-    assert not cuda_impl._warm(sig)
+        prepare_capture(policy, x, wg, wu, wd, bg, bu, bd, False, True, sig, layer)
+    assert not is_warm(sig)
 
 
 def test_a_capture_records_the_sparse_path_only_with_few_dense_rows():
     """A graph replays its path for good, so a capture takes the sparse path under a stricter limit
     on the rows computed densely than an eager call, which the next call can revise."""
     policy = _measured_policy(0.001)
-    tokens = cuda_impl.SPARSE_FULL_TOKENS_CAPTURED
-    capture_limit = cuda_impl.SPARSE_MAX_DENSE_ROWS_CAPTURED
+    tokens = dispatch_policy.SPARSE_FULL_TOKENS_CAPTURED
+    capture_limit = dispatch_policy.SPARSE_MAX_DENSE_ROWS_CAPTURED
     for training in (False, True):
-        eager_limit = cuda_impl.SPARSE_MAX_DENSE_ROWS["training" if training else "inference"]
+        eager_limit = dispatch_policy.SPARSE_MAX_DENSE_ROWS["training" if training else "inference"]
         assert capture_limit < eager_limit
         for fraction, eager, captured in ((0.0, True, True), (capture_limit / 2, True, True),
                                           ((capture_limit + eager_limit) / 2, True, False), (eager_limit, False, False)):
@@ -422,9 +424,9 @@ def test_a_capture_records_the_sparse_path_only_with_few_dense_rows():
 def test_dense_row_limits_stay_within_the_kernels_scratch():
     """Each dense row costs a training step ~4x what it costs an inference call, so training's limit
     is lower; neither lets more rows go dense than the kernels' scratch holds."""
-    from twell_compile.kernels.dense_rows import DENSE_ROW_FRACTION_MAX
+    from twell_compile.kernels import DENSE_ROW_FRACTION_MAX
 
-    limits = cuda_impl.SPARSE_MAX_DENSE_ROWS
+    limits = dispatch_policy.SPARSE_MAX_DENSE_ROWS
     assert limits["training"] < limits["inference"] <= DENSE_ROW_FRACTION_MAX
     policy = _measured_policy(0.001)
     policy.dense_row_fraction = (limits["training"] + limits["inference"]) / 2
@@ -434,9 +436,9 @@ def test_dense_row_limits_stay_within_the_kernels_scratch():
 def test_the_backward_expects_dense_rows_only_from_a_measured_call():
     """The dense rows' weight gradients go through GEMMs (an fp32 [planes, H, D] buffer) only when
     the layer's last measured call had enough dense rows: an unmeasured layer allocates nothing."""
-    from twell_compile.kernels.sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS
+    from twell_compile.kernels import DENSE_WGRAD_GEMM_ROWS
 
-    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)
+    policy = LayerPolicy.__new__(LayerPolicy)
     policy.event, policy.measured, policy.dense_row_fraction = None, False, 1.0
     assert not policy.expects_dense_rows(16384, DENSE_WGRAD_GEMM_ROWS)
     policy.measured = True
@@ -447,13 +449,11 @@ def test_the_backward_expects_dense_rows_only_from_a_measured_call():
 
 @pytest.mark.parametrize("dense_rows, expected", [(0.0, False), (0.01, True)])
 def test_the_backward_takes_the_gemm_route_from_the_layers_last_dense_rows(monkeypatch, dense_rows, expected):
-    """``cuda_impl.backward`` asks the kernels for the GEMM route exactly when the layer's last
+    """``cuda_ffn.backward`` asks the kernels for the GEMM route exactly when the layer's last
     measured call had ``DENSE_WGRAD_GEMM_ROWS`` or more dense rows (here 1% of 1000 rows: 10). The
     problem's first backward also runs the other route once, result discarded, so that both
     weight-gradient variants are tuned then and not in the middle of training; running out of
     memory there only leaves it for later."""
-    from twell_compile.kernels import sparse_ffn_bwd
-
     routes = []
 
     def fake_backward(*args, dense_wgrad_gemm=False, **kwargs):
@@ -462,17 +462,17 @@ def test_the_backward_takes_the_gemm_route_from_the_layers_last_dense_rows(monke
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return f"grads {len(routes)}"
 
-    monkeypatch.setattr(sparse_ffn_bwd, "sparse_ffn_backward", fake_backward)
-    monkeypatch.setattr(cuda_impl, "_WARM", set())
+    monkeypatch.setattr(sparse_path, "sparse_ffn_backward", fake_backward)
+    monkeypatch.setattr(dispatch_policy, "WARM", set())
     x, wg, wu, wd, bg, bu, bd = _ffn(m=1000, dtype=torch.float32)
     packed = R.gate_pack_ref(x, wg, bg)
     layer = 987_654
-    policy = cuda_impl._LayerPolicy.__new__(cuda_impl._LayerPolicy)  # no pinned memory on CPU
+    policy = LayerPolicy.__new__(LayerPolicy)  # no pinned memory on CPU
     policy.event, policy.measured, policy.dense_row_fraction = None, True, dense_rows
-    monkeypatch.setitem(cuda_impl._policies, (layer, 0), policy)
+    monkeypatch.setitem(dispatch_policy.POLICIES, (layer, 0), policy)
 
     def backward():
-        return cuda_impl.backward(torch.ones_like(x), x, wg, wu, wd, bg, bu, bd, packed,
+        return cuda_ffn.backward(torch.ones_like(x), x, wg, wu, wd, bg, bu, bd, packed,
                                   torch.zeros(packed.val.shape), torch.tensor(0.0), layer=layer)
 
     assert backward() == "grads 1" and routes == [expected, not expected]

@@ -5,7 +5,8 @@
 * argument checks: ``ValueError`` naming the argument at fault;
 * telemetry written by a call (calls, tokens, active neurons, L1);
 * gradients: ``ffn`` under autograd is exact (no L1); ``ffn_train`` adds exactly
-  ``(l1_coeff / n_layers) · ∂L1/∂θ`` with ``L1 = (1/T) Σ|h|`` (DESIGN.md section 4).
+  ``l1_coeff · l1_factor · ∂L1/∂θ`` with ``L1 = (1/T) Σ|h|`` (docs/architecture.md, 'The L1
+  regularizer'), ``l1_factor`` read when the backward runs.
 """
 
 from __future__ import annotations
@@ -88,24 +89,26 @@ def test_opcheck_all_ops(case):
     args = make_args(gated, bias, dtype, lead, requires_grad=True)
     coeff = torch.tensor(0.25)
     torch.library.opcheck(ops.ffn.default, (*args, 0))
-    torch.library.opcheck(ops.ffn_train.default, (*args, coeff, 2, 0))
+    factor = torch.tensor(0.5)
+    torch.library.opcheck(ops.ffn_train.default, (*args, coeff, factor, 0))
     plain_args = detached(args)
     with torch.no_grad():
-        out, idx, val, count, up_val = ops.ffn_train(*plain_args, coeff, 2, 0)
+        out, idx, val, count, up_val = ops.ffn_train(*plain_args, coeff, factor, 0)
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.ffn_bwd.default, (dout, *plain_args, idx, val, count, up_val, coeff, 2, 0))
+    torch.library.opcheck(ops.ffn_bwd.default, (dout, *plain_args, idx, val, count, up_val, coeff, factor, 0))
 
 
 def test_fake_impls_match_real_shapes_and_dtypes():
-    """The saved TwELL tensors have shapes from input shapes only (fixed capacity, DESIGN §6)."""
+    """The saved TwELL tensors have shapes from input shapes only (fixed capacity: docs/format.md,
+    'Layout')."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     for gated in (True, False):
         args = make_args(gated, True, torch.bfloat16, (2, 3), h=300)
-        real = ops.ffn_train(*args, torch.tensor(0.0), 1, 0)
+        real = ops.ffn_train(*args, torch.tensor(0.0), torch.tensor(1.0), 0)
         with FakeTensorMode() as mode:
             fake_args = tuple(None if t is None else mode.from_tensor(t) for t in args)
-            fake = ops.ffn_train(*fake_args, mode.from_tensor(torch.tensor(0.0)), 1, 0)
+            fake = ops.ffn_train(*fake_args, mode.from_tensor(torch.tensor(0.0)), torch.tensor(1.0), 0)
         for r, f in zip(real, fake):
             assert (tuple(r.shape), r.dtype) == (tuple(f.shape), f.dtype)
         assert real[1].shape[-2:] == (3, 16)  # ceil(300 / 128) tiles of 16 slots
@@ -147,7 +150,7 @@ def test_bad_arguments_raise_value_error_naming_them(op, kind):
         if op == "ffn":
             ops.ffn(*args, 0)
         else:
-            ops.ffn_train(*args, torch.tensor(0.0), 1, 0)
+            ops.ffn_train(*args, torch.tensor(0.0), torch.tensor(1.0), 0)
 
 
 @pytest.mark.parametrize("name", ["wg", "wd", "bu", "bd"])
@@ -160,28 +163,27 @@ def test_device_mismatch_names_the_argument(name):
         check_ffn_args(*args.values())
 
 
-@pytest.mark.parametrize("n_layers", [0, -1])
-def test_n_layers_below_one_is_rejected(n_layers):
-    """``n_layers`` is documented as >= 1; 0 would divide the L1 coefficient by zero (NaN grads)."""
-    args = make_args(True, True, requires_grad=True)
-    with pytest.raises(ValueError, match="n_layers"):
-        out = ops.ffn_train(*args, torch.tensor(0.1), n_layers, 0)[0]
-        out.sum().backward()  # raising here, in backward, would do too
+@pytest.mark.parametrize("factor", [1, torch.tensor([0.5, 0.5])], ids=["python int", "1-d"])
+def test_l1_factor_must_be_a_0d_tensor(factor):
+    """``l1_factor`` is read when the backward runs, so it must be a tensor (a 0-d one)."""
+    args = make_args(True, True)
+    with pytest.raises((ValueError, RuntimeError), match="l1_factor|Tensor"):
+        ops.ffn_train(*args, torch.tensor(0.1), factor, 0)
 
 
 def test_l1_coeff_must_be_a_0d_tensor():
     args = make_args(True, True)
     with pytest.raises(ValueError, match="l1_coeff"):
-        ops.ffn_train(*args, torch.tensor([0.1, 0.2]), 1, 0)
+        ops.ffn_train(*args, torch.tensor([0.1, 0.2]), torch.tensor(1.0), 0)
 
 
 def test_ffn_bwd_checks_dout_shape():
     args = make_args(True, True, lead=(6,))
-    out, idx, val, count, up_val = ops.ffn_train(*args, torch.tensor(0.0), 1, 0)
+    out, idx, val, count, up_val = ops.ffn_train(*args, torch.tensor(0.0), torch.tensor(1.0), 0)
     with pytest.raises(ValueError, match=r"\bdout\b"):
-        ops.ffn_bwd(torch.randn(6, D + 1), *args, idx, val, count, up_val, torch.tensor(0.0), 1, 0)
-    with pytest.raises(ValueError, match="n_layers"):
-        ops.ffn_bwd(torch.randn(6, D), *args, idx, val, count, up_val, torch.tensor(0.0), 0, 0)
+        ops.ffn_bwd(torch.randn(6, D + 1), *args, idx, val, count, up_val, torch.tensor(0.0), torch.tensor(1.0), 0)
+    with pytest.raises(ValueError, match="l1_factor"):
+        ops.ffn_bwd(torch.randn(6, D), *args, idx, val, count, up_val, torch.tensor(0.0), torch.tensor([1.0, 1.0]), 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ def test_outputs_equal_dense_in_float64(gated, lead):
     args = make_args(gated, True, torch.float64, lead)
     expected = dense_ffn(*args)
     assert_close(ops.ffn(*args, 0), expected, rtol=1e-12, atol=1e-12, name="ffn")
-    assert_close(ops.ffn_train(*args, torch.tensor(0.5, dtype=torch.float32), 1, 0)[0], expected, rtol=1e-12, atol=1e-12, name="ffn_train")
+    assert_close(ops.ffn_train(*args, torch.tensor(0.5, dtype=torch.float32), torch.tensor(1.0), 0)[0], expected, rtol=1e-12, atol=1e-12, name="ffn_train")
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
@@ -206,7 +208,7 @@ def test_telemetry_after_a_call(gated):
     active = int((controlled > 0).sum())  # gate units (up units for a plain FFN) > 0
     expected_l1 = dense_hidden(x, wg, wu, bg, bu).abs().sum().item() / 15
 
-    ops.ffn_train(x, wg, wu, wd, bg, bu, bd, torch.tensor(0.1), 1, layer)
+    ops.ffn_train(x, wg, wu, wd, bg, bu, bd, torch.tensor(0.1), torch.tensor(1.0), layer)
     snap = telemetry.snapshot()[layer]
     assert snap["calls"] == 1
     assert snap["tokens"] == 15
@@ -290,13 +292,13 @@ def test_ffn_under_autograd_fp32_matches_eager():
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-@pytest.mark.parametrize("coeff,n_layers", [(0.0, 1), (0.375, 1), (0.375, 4)])  # exact in float32
-def test_ffn_train_injects_l1_gradient(gated, coeff, n_layers):
-    """Gradients of ``(out·dout).sum() + (c / n_layers) · (1/T) Σ|h|``, T = all leading dims."""
+@pytest.mark.parametrize("coeff,factor", [(0.0, 1.0), (0.375, 1.0), (0.375, 0.25)])  # exact in float32
+def test_ffn_train_injects_l1_gradient(gated, coeff, factor):
+    """Gradients of ``(out·dout).sum() + c · factor · (1/T) Σ|h|``, T = all leading dims."""
     args = make_args(gated, True, torch.float64, (2, 5))
     dout = torch.randn(2, 5, D, dtype=torch.float64)
-    got = _op_grads(lambda *a: ops.ffn_train(*a, torch.tensor(coeff), n_layers, 0)[0], args, dout)
-    want = _dense_grads(args, dout, l1_scale=coeff / n_layers)
+    got = _op_grads(lambda *a: ops.ffn_train(*a, torch.tensor(coeff), torch.tensor(factor), 0)[0], args, dout)
+    want = _dense_grads(args, dout, l1_scale=coeff * factor)
     for name, g, w in zip(NAMES, got, want):
         if w is not None:
             assert_close(g, w, rtol=1e-10, atol=1e-12, name=f"d{name}")
@@ -305,7 +307,7 @@ def test_ffn_train_injects_l1_gradient(gated, coeff, n_layers):
 def test_l1_coeff_zero_is_exactly_off():
     args = make_args(True, True, torch.float32, (4, 3))
     dout = torch.randn(4, 3, D)
-    with_zero = _op_grads(lambda *a: ops.ffn_train(*a, torch.tensor(0.0), 1, 0)[0], args, dout)
+    with_zero = _op_grads(lambda *a: ops.ffn_train(*a, torch.tensor(0.0), torch.tensor(1.0), 0)[0], args, dout)
     inference = _op_grads(lambda *a: ops.ffn(*a, 0), args, dout)
     for name, a, b in zip(NAMES, with_zero, inference):
         assert torch.equal(a, b), name
@@ -319,7 +321,7 @@ def test_overflowing_rows_stay_exact():
     assert_close(ops.ffn(*args, 5), dense_ffn(*args), rtol=1e-12, atol=1e-12)
     assert telemetry.snapshot()[5]["dense_rows"] == 4
     dout = torch.randn(4, D, dtype=torch.float64)
-    got = _op_grads(lambda *a: ops.ffn_train(*a, torch.tensor(0.25), 1, 0)[0], args, dout)
+    got = _op_grads(lambda *a: ops.ffn_train(*a, torch.tensor(0.25), torch.tensor(1.0), 0)[0], args, dout)
     want = _dense_grads(args, dout, l1_scale=0.25)
     for name, g, w in zip(NAMES, got, want):
         assert_close(g, w, rtol=1e-10, atol=1e-12, name=f"d{name}")
@@ -330,7 +332,7 @@ def test_overflowing_rows_stay_exact():
 def test_zero_tokens(gated, lead):
     """No tokens: an empty output and zero gradients (bias of the down projection included)."""
     args = make_args(gated, True, torch.float32, lead, requires_grad=True)
-    out = ops.ffn_train(*args, torch.tensor(0.5), 1, 0)[0]
+    out = ops.ffn_train(*args, torch.tensor(0.5), torch.tensor(1.0), 0)[0]
     assert out.shape == (*lead, D)
     out.sum().backward()
     for name, t in zip(NAMES, args):
@@ -353,7 +355,7 @@ def test_eager_backward_calls_the_implementation_and_traced_ones_the_op(monkeypa
     calls = []
     original = FB.ffn_bwd
     monkeypatch.setattr(FB, "ffn_bwd", lambda *a: calls.append(1) or original(*a))
-    out = ops.ffn_train(*args, torch.tensor(1e-3), 1, 0)[0]
+    out = ops.ffn_train(*args, torch.tensor(1e-3), torch.tensor(1.0), 0)[0]
     out.sum().backward()
     assert not calls, "eager backward went through the op"
     eager = [t.grad.clone() for t in args if t is not None]
@@ -372,7 +374,7 @@ def test_eager_backward_calls_the_implementation_and_traced_ones_the_op(monkeypa
     for t in args:
         if t is not None:
             t.grad = None
-    out = ops.ffn_train(*args, torch.tensor(1e-3), 1, 0)[0]
+    out = ops.ffn_train(*args, torch.tensor(1e-3), torch.tensor(1.0), 0)[0]
     monkeypatch.setattr(FB, "plain_eager", lambda a: False)
     out.sum().backward()
     assert calls, "with the eager shortcut off, the backward calls the op"
@@ -394,18 +396,18 @@ def test_eager_forward_calls_the_implementation_and_traced_ones_the_op(monkeypat
     args = [args[0], *(None if t is None else torch.nn.Parameter(t.detach()) for t in args[1:])]
     coeff = torch.tensor(1e-3)
     with torch.no_grad():
-        expected = ops.ffn_train(*args, coeff, 1, 0)
+        expected = ops.ffn_train(*args, coeff, torch.tensor(1.0), 0)
     calls = []
-    original = FT._ffn_train
-    monkeypatch.setattr(FT, "_ffn_train", lambda *a: calls.append(1) or original(*a))
-    got = ops.ffn_train(*args, coeff, 1, 0)
+    original = FT.ffn_train_impl
+    monkeypatch.setattr(FT, "ffn_train_impl", lambda *a: calls.append(1) or original(*a))
+    got = ops.ffn_train(*args, coeff, torch.tensor(1.0), 0)
     assert calls == [1], "the eager forward did not call the implementation once"
     assert got[0].requires_grad and not any(t.requires_grad for t in got[1:])
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
 
     def step(x, wg, wu, wd, bg, bu, bd, c):
-        return ops.ffn_train(x, wg, wu, wd, bg, bu, bd, c, 1, 0)[0]
+        return ops.ffn_train(x, wg, wu, wd, bg, bu, bd, c, torch.tensor(1.0), 0)[0]
 
     graph = make_fx(step, tracing_mode="fake")(*args, coeff)
     assert any(n.target is ops.ffn_train.default for n in graph.graph.nodes)
@@ -426,8 +428,8 @@ def test_inference_op_calls_the_implementation_once_and_traced_calls_record_the_
     with torch.no_grad():
         expected = ops.ffn(*args, 0)
     calls = []
-    original = F_._ffn
-    monkeypatch.setattr(F_, "_ffn", lambda *a: calls.append(1) or original(*a))
+    original = F_.ffn_impl
+    monkeypatch.setattr(F_, "ffn_impl", lambda *a: calls.append(1) or original(*a))
     for label, run in [("no_grad", lambda: _no_grad(lambda: ops.ffn(*params, 0))),
                        ("grad on, nothing requires grad", lambda: ops.ffn(*args, 0)),
                        ("grad", lambda: ops.ffn(*params, 0))]:
@@ -447,7 +449,7 @@ def _no_grad(fn):
 
 def test_double_backward_is_refused():
     args = make_args(False, False, torch.float64, requires_grad=True)
-    out = ops.ffn_train(*args, torch.tensor(0.0), 1, 0)[0]
+    out = ops.ffn_train(*args, torch.tensor(0.0), torch.tensor(1.0), 0)[0]
     (dx,) = torch.autograd.grad(out.sum(), args[0], create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         dx.sum().backward()
@@ -456,12 +458,11 @@ def test_double_backward_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 def test_gpu_sparse_path_counts_every_active_entry_and_dense_row(gated):
-    """The CUDA sparse path's counters come from its guard kernel (``dense_rows.flag_rows``): they
+    """The CUDA sparse path's counters come from its guard kernel (``flag_rows``): they
     must equal the exact counts of the packed buffer (as packed, before the guard marks its rows
     overflowed), with no host sync on a later call."""
-    from twell_compile.kernels.format import DEFAULT_LAYOUT
-    from twell_compile.kernels.gate_pack import gate_pack
-    from twell_compile.lowering import cuda_impl
+    from twell_compile.kernels import DEFAULT_LAYOUT, gate_pack
+    from twell_compile.lowering import force_path
 
     cpu = make_args(gated, True, torch.bfloat16, (700,), d=64, h=600, seed=4)
     x, wg, wu, wd, bg, bu, bd = (None if t is None else t.cuda() for t in cpu)
@@ -472,9 +473,8 @@ def test_gpu_sparse_path_counts_every_active_entry_and_dense_row(gated):
     x[9] = float("nan")  # a guard row
     args = (x, wg, wu, wd, bg, bu, bd)
     layer = 912 + gated  # a fresh layer: its first training call measures L1
-    cuda_impl.FORCE_PATH = "sparse"
-    try:
-        out, _, _, count, _ = ops.ffn_train(*args, torch.tensor(0.1, device="cuda"), 1, layer)
+    with force_path("sparse"):
+        out, _, _, count, _ = ops.ffn_train(*args, torch.tensor(0.1, device="cuda"), torch.tensor(1.0, device="cuda"), layer)
         torch.cuda.synchronize()
         snap = telemetry.snapshot()[layer]
         dense = (count > DEFAULT_LAYOUT.slots).any(-1)  # overflowed, or marked so by the guard
@@ -496,8 +496,6 @@ def test_gpu_sparse_path_counts_every_active_entry_and_dense_row(gated):
         again = telemetry.snapshot()[layer]
         assert again["calls"] == 2 and again["active"] == snap["active"] and again["dense_rows"] == snap["dense_rows"]
         assert again["l1"] == snap["l1"], "inference keeps the last L1"
-    finally:
-        cuda_impl.FORCE_PATH = None
 
 
 def test_call_record_is_the_telemetry_fields_a_kernel_stores():
@@ -524,7 +522,7 @@ def _first_call_under_inference_mode_then_outside(device: str, layer: int):
         first = ops.ffn(*args, layer)
     again = ops.ffn(*args, layer)
     params = [None if t is None else t.requires_grad_() for t in args]  # the same tensors: cached per-weight work
-    out = ops.ffn_train(*params, torch.tensor(1e-3, device=device), 1, layer)[0]
+    out = ops.ffn_train(*params, torch.tensor(1e-3, device=device), torch.tensor(1.0, device=device), layer)[0]
     out.sum().backward()
     with torch.inference_mode():
         third = ops.ffn(*args, layer)
@@ -541,10 +539,7 @@ def test_layer_first_called_under_inference_mode_works_outside_it():
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["sparse", "dense"])
 def test_gpu_layer_first_called_under_inference_mode_works_outside_it(path):
-    from twell_compile.lowering import cuda_impl
+    from twell_compile.lowering import force_path
 
-    cuda_impl.FORCE_PATH = path
-    try:
+    with force_path(path):
         _first_call_under_inference_mode_then_outside("cuda", 932 + (path == "dense"))
-    finally:
-        cuda_impl.FORCE_PATH = None

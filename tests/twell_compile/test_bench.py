@@ -193,15 +193,15 @@ def test_timed_training_steps_invalidate_the_ops_weight_caches():
     """Each timed training step ends with ``weights_updated``, as an optimizer step would for the
     weights' version counters, so the op's per-weight work (here its ``Wdᵀ`` copy) is redone and
     timed every step, as in real training; the values stay the same."""
-    from twell_compile.lowering import cuda_impl
+    from twell_compile.lowering.weight_cache import WeightPrep
 
     wu = torch.randn(24, 8, requires_grad=True)
     wd = torch.randn(8, 24, requires_grad=True)
     before = wd.detach().clone()
-    first = cuda_impl._WeightPrep.get(None, wu, wd, None, None, None)[2]
-    assert cuda_impl._WeightPrep.get(None, wu, wd, None, None, None)[2] is first, "cached while unchanged"
+    first = WeightPrep.get(None, wu, wd, None, None, None)[2]
+    assert WeightPrep.get(None, wu, wd, None, None, None)[2] is first, "cached while unchanged"
     bench.weights_updated([wd])
-    second = cuda_impl._WeightPrep.get(None, wu, wd, None, None, None)[2]
+    second = WeightPrep.get(None, wu, wd, None, None, None)[2]
     assert second is not first and torch.equal(second, first)
     assert torch.equal(wd.detach(), before)
 
@@ -230,12 +230,10 @@ def test_host_line_names_the_cpu_and_says_when_the_step_was_not_measured(monkeyp
 
 
 def test_tuned_txt_lists_the_autotuners_choices(monkeypatch, tmp_path):
-    from twell_compile.kernels import launch
-
-    monkeypatch.setattr(launch, "tuned_configs", lambda: [("_wgrad_kernel", "D=2048 H=5632 torch.bfloat16", "BD: 1024")])
+    monkeypatch.setattr(bench, "tuned_configs", lambda: [("_wgrad_kernel", "D=2048 H=5632 torch.bfloat16", "BD: 1024")])
     path = bench.write_tuned(tmp_path / "out" / "tuned.txt")
     assert path.read_text() == "_wgrad_kernel  D=2048 H=5632 torch.bfloat16  ->  BD: 1024\n"
-    monkeypatch.setattr(launch, "tuned_configs", lambda: [])
+    monkeypatch.setattr(bench, "tuned_configs", lambda: [])
     assert "no kernel was autotuned" in bench.write_tuned(path).read_text()
 
 
@@ -301,17 +299,17 @@ def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
 
 
 def test_sparse_forced_forces_the_sparse_path_for_one_call_only():
-    """``_sparse_forced(fn)``: the op's sparse path forced while ``fn`` runs (its value returned),
+    """``sparse_forced(fn)``: the op's sparse path forced while ``fn`` runs (its value returned),
     and the policy back in charge afterwards, even when ``fn`` raises."""
-    from twell_compile.lowering import cuda_impl
+    from twell_compile.lowering import dispatch_policy
 
     seen = []
-    assert bench._sparse_forced(lambda: seen.append(cuda_impl.FORCE_PATH) or 7)() == 7
-    assert seen == ["sparse"] and cuda_impl.FORCE_PATH is None
+    assert bench.sparse_forced(lambda: seen.append(dispatch_policy.FORCED_PATH) or 7)() == 7
+    assert seen == ["sparse"] and dispatch_policy.FORCED_PATH is None
 
     def fail():
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        bench._sparse_forced(fail)()
-    assert cuda_impl.FORCE_PATH is None
+        bench.sparse_forced(fail)()
+    assert dispatch_policy.FORCED_PATH is None

@@ -1,0 +1,97 @@
+"""CUDA implementations of the TwELL ops: each call takes its layer's path (``dispatch_policy``),
+runs it, and leaves what the next call and the backward need.
+
+* **sparse** (``sparse_path``): ``gate_pack``, then ``sparse_ffn`` and, in training,
+  ``sparse_ffn_backward``: the products of the active neurons only;
+* **dense** (``dense_path``): cuBLAS through PyTorch, exactly the dense FFN.
+
+Both compute the same function for every input (docs/architecture.md, 'Exactness contract').
+A call records its counters in the layer's telemetry from its own kernels, starts their copy to
+the host for the policy's next choice, hands a training forward's path and saved work to its
+backward (``handoff``), and prepares the warm-up call of a layer compiled for CUDA graphs
+(``capture``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from twell_compile.kernels import TwellPacked, reference
+
+from . import cuda_graphs, dispatch_policy, telemetry
+from .capture import prepare_capture
+from .dense_path import dense_backward, dense_forward
+from .handoff import DENSE_FORWARDS, remember, take_saved
+from .sparse_path import sparse_backward, sparse_forward
+from .weight_cache import WeightPrep
+
+# The training L1 value for stats() costs a reduction and a copy (two launches of host time): measure
+# it every N eager calls, and on every call a CUDA graph records (a graph replays what its capture
+# did, so one captured on a call that skipped it would never report L1).
+L1_EVERY = 8
+
+
+def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
+    """Returns ``(ForwardResult, sparse: bool)`` and records the layer's counters.
+
+    On the dense path the result's ``packed``/``up_val`` are None for inference and ``dense_rows``
+    is None; the telemetry then counts the rows that would have overflowed a TwELL tile. On the
+    sparse path too ``dense_rows`` is None (the counts mark them as overflowed).
+    Either path's counting kernel stores the call's record in the layer's telemetry itself.
+    """
+    policy = dispatch_policy.layer_policy(layer, x2d.device)
+    capturing = cuda_graphs.capturing()
+    signature = dispatch_policy.problem_signature(x2d, wg, wu, bg, bu, bd, training)
+    forced = dispatch_policy.FORCED_PATH
+    if forced is None:
+        sparse = dispatch_policy.takes_sparse(policy, x2d.shape[0], signature, training, capturing)
+    else:
+        sparse = forced == "sparse"
+    sparse = sparse and x2d.dtype != torch.float64
+    want_l1 = training and (capturing or policy.calls % L1_EVERY == 0)
+    saved = None
+    keep = layer not in cuda_graphs.CUDA_GRAPH_LAYERS
+    record = telemetry.call_record(layer, x2d.device, sparse)
+    if sparse:
+        prep = WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)
+        res = sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record, keep=keep, prep=prep)
+        if capturing:
+            saved = prep  # the captured backward's, as nothing is cached under capture
+        else:
+            dispatch_policy.WARM.add(("forward", *signature))
+    else:
+        res, saved = dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record)
+    if training:
+        remember(res.packed.count, not sparse, saved, layer)
+    if res.l1 is not None:
+        telemetry.record_l1(layer, res.l1)
+        _record_fired(layer, res, saved, sparse, x2d.shape[0], wu.shape[0])
+    policy.after(telemetry.buffer(layer, x2d.device), wu.shape[0])
+    if not keep and not capturing and forced is None and x2d.dtype != torch.float64:
+        prepare_capture(policy, x2d, wg, wu, wd, bg, bu, bd, sparse, training, signature, layer)
+    return res, sparse
+
+
+def _record_fired(layer: int, res, saved, sparse: bool, tokens: int, hidden: int) -> None:
+    """The neurons that fired in a sampled training call: from the TwELL slots on the sparse path,
+    from ``relu(gate)`` (the first activation the dense path keeps) on the dense one."""
+    if sparse:
+        fired = telemetry.fired_from_packed(res.packed.idx, res.packed.stored_mask(), hidden)
+    elif saved is not None:
+        fired = (saved[0] > 0).any(dim=0)
+    else:
+        return  # a layer compiled for CUDA graphs keeps no activations: not sampled on the dense path
+    telemetry.record_fired(layer, fired, tokens)
+
+
+def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l1_scale, *,
+             layer: Optional[int] = None) -> reference.Grads:
+    """Gradients of ``loss + l1_scale · L1``, on the path the forward took (``layer``: the
+    forward's, when known; a layer compiled for CUDA graphs caches nothing per weight)."""
+    key = packed.count.data_ptr()
+    if DENSE_FORWARDS.get(key, False) or x2d.dtype == torch.float64:
+        # The popped activations go straight in: no reference here outlives their last use there.
+        return dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale, take_saved(key, dense=True))
+    return sparse_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale, layer=layer)
