@@ -8,11 +8,11 @@ import torch
 from hypothesis import HealthCheck, settings
 
 # Without a GPU the Triton kernels run in the interpreter. This must happen before any kernel
-# module is imported (DESIGN.md section 9), and conftest.py is imported before the test modules.
+# module is imported (docs/architecture.md, 'Testing'), and conftest.py is imported before the test modules.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Hypothesis profiles (DESIGN.md section 9). Pick one with HYPOTHESIS_PROFILE (default "ci"):
+# Hypothesis profiles (docs/architecture.md, 'Testing'). Pick one with HYPOTHESIS_PROFILE (default "ci"):
 #   ci       : few examples, derandomized so CI runs are reproducible; no deadline (the dense
 #              float64 oracle and first-call warm-up make per-example times uneven).
 #   thorough : many examples, random, for local or nightly runs:

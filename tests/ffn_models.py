@@ -1,7 +1,7 @@
 """Tiny FFN models and eager oracles shared by the lowering, twell_compile and e2e tests.
 
 * ``GatedFFN`` / ``PlainFFN``: the two FFN shapes the matcher rewrites, as ``nn.Linear`` modules,
-  each with ``hidden(x)``, the ``h`` whose L1 the backend regularises (DESIGN.md section 4).
+  each with ``hidden(x)``, the ``h`` whose L1 the backend regularises (docs/architecture.md, 'The L1 regularizer').
 * ``ResidualStack``: ``n`` FFNs in one graph, so the L1 mean over layers matters.
 * ``eager_loss``: the training oracle, ``loss + l1_coeff · mean_l (1/T) Σ_t Σ_j |h_l[t, j]|``,
   with ``h_l`` recorded by forward hooks while the eager model runs.
@@ -18,18 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # written concurrently by another developer; fall back to torch.testing if absent
-    from tests.utils import assert_close_verbose as _assert_close_verbose
-except Exception:  # noqa: BLE001
-    _assert_close_verbose = None
+from tests.utils import assert_close_verbose
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, name: str = "") -> None:
     """Elementwise ``|a − e| <= atol + rtol·|e|`` in float64, printing the worst elements on failure."""
-    if _assert_close_verbose is not None:
-        _assert_close_verbose(actual, expected, rtol=rtol, atol=atol, name=name)
-    else:
-        torch.testing.assert_close(actual.detach().double(), expected.detach().double(), rtol=rtol, atol=atol, msg=name or None)
+    assert_close_verbose(actual, expected, rtol=rtol, atol=atol, name=name)
 
 
 def assert_grads_close(model: nn.Module, ref: nn.Module, *, rtol: float, atol_frac: float, prefix: str = "") -> None:
@@ -120,7 +114,7 @@ def ffn_modules(model: nn.Module) -> list[nn.Module]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The L1 oracle (DESIGN.md section 4)
+# The L1 oracle (docs/architecture.md, 'The L1 regularizer')
 # ---------------------------------------------------------------------------------------------
 
 

@@ -2,10 +2,10 @@
 
 * ``assert_close_verbose``: ``torch.testing``-style closeness that, on failure, prints the worst
   elements (index, actual, expected) and the relative error of the whole tensor.
-* ``rel_error``: the accuracy metric of DESIGN.md section 5, ``‖out − ref₆₄‖ / ‖ref₆₄‖`` in float64,
+* ``rel_error``: the accuracy metric of docs/architecture.md, 'Exactness contract', ``‖out − ref₆₄‖ / ‖ref₆₄‖`` in float64,
   NaN-aware.
 * ``make_ffn``: random FFN weights and inputs whose gate is active with a chosen density, built the
-  way DESIGN.md section 10 controls density (a constant feature in ``x`` and a gate threshold at the
+  way the bench controls density (docs/benchmarks.md, 'Method': a constant feature in ``x`` and a gate threshold at the
   normal quantile of the target density).
 * ``dense_grads``: the autograd oracle for the backward, ``(out · dout).sum() + l1_scale · L1``.
 """
@@ -104,7 +104,7 @@ def assert_close_verbose(
 
 
 def rel_error(out: Tensor, ref64: Tensor, *, nan_mismatch: str = "raise") -> float:
-    """``‖out − ref‖ / ‖ref‖`` in float64 (DESIGN.md section 5), NaN-aware.
+    """``‖out − ref‖ / ‖ref‖`` in float64 (docs/architecture.md, 'Exactness contract'), NaN-aware.
 
     Positions where ``ref64`` is non-finite must hold the same value in ``out`` (NaN for NaN, the
     same signed Inf for an Inf) and are excluded from both norms. A non-finite ``out`` where
@@ -293,7 +293,7 @@ def dense_grads(ffn: FFN, dout: Tensor, l1_scale: float) -> tuple[Tensor, dict]:
     """Autograd of the dense FFN in ``ffn``'s dtype: ``(out · dout).sum() + l1_scale · (1/M) Σ|h|``.
 
     Returns ``(out, grads)`` with ``grads`` keyed by ``GRAD_NAMES`` (None for absent inputs). With
-    ``l1_scale == 0`` the L1 term is left out of the graph entirely (DESIGN.md section 4: zero turns
+    ``l1_scale == 0`` the L1 term is left out of the graph entirely (docs/architecture.md, 'The L1 regularizer': zero turns
     it off exactly, so not even ``0 · NaN`` may leak in).
     """
     leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in ffn.args()]

@@ -17,6 +17,9 @@ _PUBLIC = {
     # configuration
     "TwellOptions": "options",
     "set_l1_coeff": "l1",
+    "set_loss_scale": "loss_scaling",
+    "get_loss_scale": "loss_scaling",
+    "loss_scale": "loss_scaling",
     # top level UX
     "patch": "patch_ffn",
     "report": "reporting",

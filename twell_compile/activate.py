@@ -1,4 +1,4 @@
-"""``TWELL=1``: switch the rewrite on for scripts that are not modified (DESIGN.md section 8).
+"""``TWELL=1``: switch the rewrite on for scripts that are not modified (docs/architecture.md, 'TWELL=1').
 
 ``activate_from_env`` is called by the ``torch.backends`` autoload hook at the end of
 ``import torch``. It reads the ``TWELL_*`` options (an invalid value stops the run with a message
@@ -22,8 +22,10 @@ never imports Inductor.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
+import warnings
 import weakref
 from typing import Optional
 
@@ -41,6 +43,10 @@ def activate_from_env() -> None:
     """Read ``TWELL_*`` and install the routes; an invalid value exits with a clear message."""
     try:
         options = TwellOptions.from_env()
+        if "TWELL_QUIET" in os.environ:
+            from .options import env_flag
+
+            env_flag("TWELL_QUIET")  # a bad value stops the run here, like the other variables
     except ValueError as exc:
         sys.stderr.write(f"{exc}\n")
         raise SystemExit(2) from None
@@ -54,6 +60,9 @@ def install(options: TwellOptions) -> None:
         if _options is not None:
             return
         _options = options
+        from . import loss_scaling_hooks
+
+        loss_scaling_hooks.install()
         _hook_handle = torch.nn.modules.module.register_module_forward_pre_hook(_patch_on_first_call)
         torch.compile = _compile_wrapper(torch.compile)
 
@@ -72,7 +81,21 @@ def active_options() -> Optional[TwellOptions]:
 def _patch_on_first_call(module, args):
     if module not in _seen and not torch.compiler.is_compiling():
         _patch_now(module)
+        from .patch_ffn import STATE_ATTR
+
+        if STATE_ATTR in module.__dict__:
+            # The module being called is itself an FFN that was just patched, but its call has
+            # already looked up the old forward: compute this one call again, patched.
+            _rerun_patched(module, args)
     return None
+
+
+def _rerun_patched(module, args) -> None:
+    def rerun(mod, call_args, output):
+        handle.remove()
+        return mod(*call_args)
+
+    handle = module.register_forward_hook(rerun)
 
 
 def _patch_now(module) -> None:
@@ -80,13 +103,57 @@ def _patch_now(module) -> None:
     from .patch_ffn import patch
 
     _seen.update(module.modules())
-    result = patch(module, l1_coeff=_options.l1_coeff, strict=_options.strict)
+    result = patch(module, l1_coeff=_options.l1_coeff, strict=_options.strict, relu_gate=_options.relu_gate)
     if result.rewritten:
+        announce(result.rewritten, result.skipped)
         _remove_hook()  # global hooks slow every module call; the model is patched now
     else:
+        if result.skipped or _looks_like_a_model(module):
+            _warn_nothing_matched(module, result.skipped)
         _roots_without_ffn += 1
         if _roots_without_ffn >= _MAX_ROOTS_WITHOUT_FFN:
             _remove_hook()  # no FFN modules here; the compile route still covers inline FFNs
+
+
+_announced = False
+_warned_roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def quiet() -> bool:
+    """``TWELL_QUIET=1`` silences the one-line summary and the nothing-matched warning."""
+    from .options import env_flag
+
+    try:
+        return env_flag("TWELL_QUIET")
+    except ValueError:
+        return False  # checked at activation, which stops the run on a bad value
+
+
+def announce(rewritten, skipped) -> None:
+    """One line on stderr, at the first rewrite: what ``TWELL=1`` did (unless ``TWELL_QUIET=1``)."""
+    global _announced
+    if _announced or not rewritten or quiet():
+        return
+    _announced = True
+    from .reporting import name_pattern
+
+    names = name_pattern([r.where for r in rewritten])
+    sys.stderr.write(f"twell: rewrote {len(rewritten)} FFN(s) ({names}), skipped {len(skipped)}; "
+                     f"l1_coeff {_options.l1_coeff:g} (twell_compile.report() has the details; TWELL_QUIET=1 silences this)\n")
+
+
+def _looks_like_a_model(module) -> bool:
+    return sum(isinstance(m, torch.nn.Linear) for m in module.modules()) >= 2
+
+
+def _warn_nothing_matched(module, skipped) -> None:
+    if module in _warned_roots or quiet():
+        return
+    _warned_roots.add(module)
+    why = "; ".join(sorted({f"{s.reason.text}" for s in skipped})) or "it has no ReLU FFN module"
+    warnings.warn(f"twell: TWELL=1 patched no FFN of {type(module).__name__} ({why}). FFNs written inline are still "
+                  "rewritten if the model is compiled; twell_compile.report() lists what was found.", RuntimeWarning,
+                  stacklevel=3)
 
 
 def _remove_hook() -> None:

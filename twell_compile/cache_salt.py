@@ -14,16 +14,15 @@ from pathlib import Path
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-_PACKAGE_ROOT = Path(__file__).resolve().parent
-
-
 @functools.lru_cache(maxsize=None)
 def source_hash() -> str:
     """sha256 of every ``.py`` file of twell_compile, lowering and kernels, in a stable order."""
-    from . import kernels, lowering
+    import importlib.util
 
     digest = hashlib.sha256()
-    roots = [_PACKAGE_ROOT, Path(lowering.__file__).parent, Path(kernels.__file__).parent]
+    # The packages' folders, found without importing them (kernels/ is not twell_compile's to import).
+    roots = [Path(importlib.util.find_spec(name).origin).parent
+             for name in ("twell_compile", "twell_compile.lowering", "twell_compile.kernels")]
     for root in roots:
         for path in sorted(root.glob("*.py")):
             digest.update(path.name.encode())

@@ -2,7 +2,7 @@
 
 * ``twell demo`` trains a small ReLU language model compiled with ``backend="twell"`` and shows the
   rewrite report and L0/L1 falling (``demo.py``). It runs on a CPU by default.
-* ``twell run script.py ...`` runs an unmodified script with ``TWELL=1`` (DESIGN.md section 8).
+* ``twell run script.py ...`` runs an unmodified script with ``TWELL=1`` (docs/architecture.md, 'TWELL=1').
 * ``twell bench ...`` forwards its arguments to ``twell_compile.bench`` (the GPU benchmark).
 
 Errors a user can cause print one line naming the flag and exit with status 2, like argparse.
@@ -315,10 +315,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.strict:
         env["TWELL_STRICT"] = "1"
     # A bad TWELL_* value would stop the script at `import torch`; say so before starting it.
-    from .options import TwellOptions
+    from .options import TwellOptions, env_flag
 
     try:
         TwellOptions.from_env(env)
+        if "TWELL_QUIET" in env:
+            env_flag("TWELL_QUIET", env)
     except ValueError as e:
         raise _UsageError(str(e).removeprefix("twell: ")) from None
 

@@ -13,7 +13,7 @@ What it shows, top to bottom:
    works, from ``twell_compile.stats()``.
 
 The loss printed is the model's cross-entropy only: the L1 term is never added to the loss, its
-gradient is injected where h is back-propagated (DESIGN.md section 4).
+gradient is injected where h is back-propagated (docs/architecture.md, 'The L1 regularizer').
 """
 
 from __future__ import annotations

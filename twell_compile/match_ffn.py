@@ -1,7 +1,8 @@
 """Find ReLU FFNs in a torch-level FX graph (Dynamo's, or ``torch.fx.symbolic_trace``'s).
 
 The matcher starts from every ReLU whose input is a linear projection (an "FFN-like" pattern) and
-walks forward:
+walks forward (SiLU and GELU gates are matched the same way, and rewritten as ReLU only with
+``relu_gate=True``; otherwise a whole SiLU/GELU FFN is reported as skipped, naming the option):
 
 * gated: ``down(relu(gate(x)) * up(x))`` with the product's operands in either order;
 * plain: ``down(relu(up(x)))``.
@@ -32,12 +33,17 @@ _LINEAR_FNS = {torch._C._nn.linear, F.linear}  # nn.Linear / F.linear (Dynamo sh
 _MATMUL_FNS = {operator.matmul, torch.matmul}  # x @ W.T, torch.matmul(x, W.t())
 _RELU_FNS = {torch.relu, torch.relu_, F.relu, torch.nn.functional.relu_}  # torch.relu, F.relu, nn.ReLU(inplace=True) inlined
 _RELU_METHODS = {"relu", "relu_"}  # x.relu()
+# Gates that relu_gate=True turns into ReLU: HF's ACT2FN "silu"/"swish" (F.silu), "gelu" and
+# "gelu_pytorch_tanh" (F.gelu, exact or tanh), as Llama, Mistral, Qwen and Gemma configure them.
+_OTHER_GATES = {F.silu: "SiLU", torch._C._nn.gelu: "GELU", F.gelu: "GELU"}
+_OTHER_GATE_MODULES = {torch.nn.SiLU: "SiLU", torch.nn.GELU: "GELU"}
+_OTHER_GATE_METHODS = {"silu": "SiLU"}
 _MUL_FNS = {operator.mul, torch.mul}  # a * b, torch.mul(a, b)
 _ADD_FNS = {operator.add, torch.add}  # x @ W.T + b
 _TRANSPOSE_ATTRS = {"T", "mT"}  # W.T, W.mT (getattr nodes)
 
 
-def _val(node: object):
+def example_value(node: object):
     """The example value Dynamo (or our meta pass) stored on a node, if any."""
     if isinstance(node, fx.Node):
         return node.meta.get("example_value", node.meta.get("val"))
@@ -45,7 +51,7 @@ def _val(node: object):
 
 
 def _is_tensor_node(node: object, ndim: Optional[int] = None) -> bool:
-    v = _val(node)
+    v = example_value(node)
     return isinstance(v, torch.Tensor) and (ndim is None or v.dim() == ndim)
 
 
@@ -59,6 +65,24 @@ def is_relu(node: fx.Node, gm: Optional[fx.GraphModule] = None) -> Optional[fx.N
         mod = gm.get_submodule(node.target)
         if isinstance(mod, torch.nn.ReLU):
             return node.args[0]
+    return None
+
+
+def activation(node: fx.Node, gm: Optional[fx.GraphModule] = None) -> Optional[tuple[fx.Node, str]]:
+    """``(input, name)`` if ``node`` is a ReLU (``"ReLU"``) or a SiLU/GELU gate in any spelling."""
+    pre = is_relu(node, gm)
+    if pre is not None:
+        return pre, "ReLU"
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.op == "call_function" and node.target in _OTHER_GATES:
+        return node.args[0], _OTHER_GATES[node.target]
+    if node.op == "call_method" and node.target in _OTHER_GATE_METHODS:
+        return node.args[0], _OTHER_GATE_METHODS[node.target]
+    if node.op == "call_module" and gm is not None:
+        name = _OTHER_GATE_MODULES.get(type(gm.get_submodule(node.target)))
+        if name is not None:
+            return node.args[0], name
     return None
 
 
@@ -141,6 +165,7 @@ class FfnMatch:
     hidden: fx.Node  # h: the product (gated) or the ReLU (plain)
     compute_dtype: torch.dtype  # dtype of the projections' outputs (the autocast dtype under autocast)
     training: bool  # the output requires grad: pick the training op
+    gate_activation: str = "ReLU"  # what the model computes there; anything else is rewritten only with relu_gate
 
     @property
     def kind(self) -> str:
@@ -184,13 +209,36 @@ def _single_user(nodes: list[fx.Node], final: fx.Node) -> Optional[fx.Node]:
 
 
 def match_at_relu(act: fx.Node, gm: Optional[fx.GraphModule] = None) -> Union[FfnMatch, Skipped, None]:
-    """Match the FFN around the ReLU ``act``: an ``FfnMatch``, a ``Skipped``, or None (not FFN-like)."""
-    pre = is_relu(act, gm)
-    first = as_projection(pre)
-    if first is None:
+    """Match the FFN around the activation ``act``: an ``FfnMatch``, a ``Skipped``, or None (not
+    FFN-like). A SiLU/GELU gate gives a match only where the whole FFN is there (its
+    ``gate_activation`` says which); its near misses are not FFN-like (those activations have
+    other uses)."""
+    found = activation(act, gm)
+    if found is None:
         return None
+    pre, gate_activation = found
+    first = as_projection(pre)
     loc = where(act)
+    if first is None:
+        if gate_activation == "ReLU" and _projection_plus_term(pre):
+            return Skipped(loc, SkipReason.EXTRA_TERM, f"{act.name}'s input {getattr(pre, 'name', pre)} adds a term to a projection")
+        return None
+    result = _match_from(act, first, loc, gm)
+    if isinstance(result, FfnMatch):
+        result.gate_activation = gate_activation
+        return result
+    return result if gate_activation == "ReLU" else None
 
+
+def _projection_plus_term(node: object) -> bool:
+    """``projection + something that is not a bias``: a LoRA-adapted linear, ``base(x) + B(A(x))·s``."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or len(node.args) != 2:
+        return False
+    is_add = node.target in _ADD_FNS or node.target in ("add", "add_") or node.target is operator.iadd
+    return is_add and any(as_projection(a) is not None for a in node.args) and not any(_is_tensor_node(a, 1) for a in node.args)
+
+
+def _match_from(act: fx.Node, first: "Projection", loc: str, gm) -> Union[FfnMatch, Skipped]:
     def skip(reason: SkipReason, detail: str = "") -> Skipped:
         return Skipped(loc, reason, detail)
 
@@ -215,6 +263,8 @@ def match_at_relu(act: fx.Node, gm: Optional[fx.GraphModule] = None) -> Union[Ff
     else:
         gate, up, hidden, down_node = None, first, act, user
     down = as_projection(down_node)
+    if down_node.op == "output":
+        return skip(SkipReason.GRAPH_SPLIT, f"{hidden.name} is an output of this graph")
     if down is None or down.x is not hidden:
         return skip(SkipReason.NO_DOWN_PROJECTION, f"{hidden.name} feeds {down_node.name}")
     for proj in (gate, up, down):
@@ -227,8 +277,8 @@ def match_at_relu(act: fx.Node, gm: Optional[fx.GraphModule] = None) -> Union[Ff
 
 def _check_tensors(m: FfnMatch, skip) -> Union[FfnMatch, Skipped]:
     """Shapes, dtypes and devices from the nodes' example values."""
-    x, up_w, down_w = _val(m.x), _val(m.up.weight), _val(m.down.weight)
-    out = _val(m.down.out)
+    x, up_w, down_w = example_value(m.x), example_value(m.up.weight), example_value(m.down.weight)
+    out = example_value(m.down.out)
     if not all(isinstance(t, torch.Tensor) for t in (x, up_w, down_w, out)):
         return skip(SkipReason.NOT_A_WEIGHT, "no example values on the nodes")
     for name, proj in (("gate", m.gate), ("up", m.up), ("down", m.down)):
@@ -239,22 +289,35 @@ def _check_tensors(m: FfnMatch, skip) -> Union[FfnMatch, Skipped]:
     if m.gate is not None:
         shapes += [(m.gate.weight, (hidden, d_model)), (m.gate.bias, (hidden,))]
     for node, shape in shapes:
-        if node is not None and tuple(_val(node).shape) != shape:
-            return skip(SkipReason.SHAPE_MISMATCH, f"{node.name} is {tuple(_val(node).shape)}, expected {shape}")
+        if node is not None and tuple(example_value(node).shape) != shape:
+            return skip(SkipReason.SHAPE_MISMATCH, f"{node.name} is {tuple(example_value(node).shape)}, expected {shape}")
     if x.dim() < 1 or x.shape[-1] != d_model:
         return skip(SkipReason.SHAPE_MISMATCH, f"input {m.x.name} is {tuple(x.shape)}, weights need D={d_model}")
     compute = out.dtype
     projections = [p for p in (m.gate, m.up, m.down) if p is not None]
-    if any(_val(p.out).dtype != compute for p in projections):
+    if any(example_value(p.out).dtype != compute for p in projections):
         return skip(SkipReason.MIXED_DTYPES, "the projections produce different dtypes")
     if compute not in SUPPORTED_DTYPES:
         return skip(SkipReason.UNSUPPORTED_DTYPE, str(compute))
-    tensors = [x] + [_val(n) for p in projections for n in (p.weight, p.bias) if n is not None]
+    tensors = [x] + [example_value(n) for p in projections for n in (p.weight, p.bias) if n is not None]
     if len({t.device for t in tensors}) != 1:
         return skip(SkipReason.MIXED_DEVICES, ", ".join(sorted({str(t.device) for t in tensors})))
+    # Outside autocast, eager F.linear refuses an input and a weight of different dtypes; the
+    # graph is left as traced, so that the compiled code fails where eager does.
+    if len({t.dtype for t in tensors}) != 1 and not _autocast_active(m, x.device.type):
+        return skip(SkipReason.MIXED_DTYPES, ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors})))
     m.compute_dtype = compute
     m.training = bool(out.requires_grad)
     return m
+
+
+def _autocast_active(m: FfnMatch, device_type: str) -> bool:
+    """Whether autocast applies to the FFN: enabled around the compile (Dynamo guards on it) or
+    entered inside the traced code."""
+    if torch.is_autocast_enabled(device_type):
+        return True
+    graph = m.down.out.graph
+    return any(n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "") for n in graph.nodes)
 
 
 def find_ffns(gm: fx.GraphModule) -> tuple[list[FfnMatch], list[Skipped]]:
@@ -263,7 +326,7 @@ def find_ffns(gm: fx.GraphModule) -> tuple[list[FfnMatch], list[Skipped]]:
     skipped: list[Skipped] = []
     for node in list(gm.graph.nodes):
         try:
-            if is_relu(node, gm) is None:
+            if activation(node, gm) is None:
                 continue
             result = match_at_relu(node, gm)
         except Exception as exc:  # noqa: BLE001 - the matcher must never crash a compile

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
@@ -20,7 +21,7 @@ class TwellOptions:
 
     Args:
         l1_coeff: coefficient of the L1 penalty on the hidden activations (float ≥ 0). The
-            backward adds ``l1_coeff · ∂L1/∂θ`` (DESIGN.md section 4); 0 turns it off exactly.
+            backward adds ``l1_coeff · ∂L1/∂θ`` (docs/architecture.md, 'The L1 regularizer'); 0 turns it off exactly.
             Change it later without recompiling through ``twell_compile.set_l1_coeff``.
         inner: compiler for the rewritten graph. Values: ``"inductor"`` (default),
             ``"aot_eager"`` (AOTAutograd, no code generation), ``"eager"`` (rewrite only).
@@ -28,25 +29,35 @@ class TwellOptions:
         mode: the inner Inductor's compile mode, e.g. ``"reduce-overhead"`` (CUDA graphs).
             ``torch.compile`` takes ``mode`` or ``options`` but not both, so with other options
             pass it here: ``options={"mode": "reduce-overhead", "l1_coeff": 1e-5}``.
+        relu_gate: rewrite SiLU- and GELU-gated FFNs (standard Llama, Mistral, Qwen, Gemma
+            configurations) as ReLU-gated TwELL FFNs with the L1 term: the paper's recipe for a
+            model trained from scratch. It changes the model's function, so it is off by default,
+            and such FFNs are then reported as skipped, naming this option.
     """
 
     l1_coeff: float = 2e-5
     inner: str = "inductor"
     strict: bool = False
     mode: Optional[str] = None
+    relu_gate: bool = False
 
     def __post_init__(self) -> None:
-        _check_l1(self.l1_coeff, "options['l1_coeff']")
+        check_l1(self.l1_coeff, "options['l1_coeff']")
         if self.inner not in INNER_COMPILERS:
             raise ValueError(f"twell: options['inner'] = {self.inner!r} is not accepted; use one of {', '.join(INNER_COMPILERS)}")
         if not isinstance(self.strict, bool):
             raise ValueError(f"twell: options['strict'] = {self.strict!r} is not accepted; use True or False")
+        if not isinstance(self.relu_gate, bool):
+            raise ValueError(f"twell: options['relu_gate'] = {self.relu_gate!r} is not accepted; use True or False")
         if self.mode is not None and self.mode not in COMPILE_MODES:
             raise ValueError(f"twell: options['mode'] = {self.mode!r} is not accepted; use one of {', '.join(COMPILE_MODES)}")
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> "TwellOptions":
         """Options from ``torch.compile(..., options={...})``; unknown keys are errors."""
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"twell: options must be a dict such as {{'l1_coeff': 2e-5}}, got {type(options).__name__} "
+                             f"{options!r}")
         options = dict(options or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
@@ -56,7 +67,7 @@ class TwellOptions:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "TwellOptions":
-        """Options from ``TWELL_L1``, ``TWELL_INNER`` and ``TWELL_STRICT`` (unset: default)."""
+        """Options from ``TWELL_L1``, ``TWELL_INNER``, ``TWELL_STRICT`` and ``TWELL_RELU_GATE`` (unset: default)."""
         env = os.environ if environ is None else environ
         kwargs: dict[str, Any] = {}
         if "TWELL_L1" in env:
@@ -65,7 +76,7 @@ class TwellOptions:
                 kwargs["l1_coeff"] = float(raw)
             except ValueError:
                 raise ValueError(f"twell: TWELL_L1={raw!r} is not a number; expected a float >= 0, e.g. TWELL_L1=2e-5") from None
-            _check_l1(kwargs["l1_coeff"], "TWELL_L1")
+            check_l1(kwargs["l1_coeff"], "TWELL_L1")
         if "TWELL_INNER" in env:
             inner = env["TWELL_INNER"].strip().lower()
             if inner not in INNER_COMPILERS:
@@ -73,6 +84,8 @@ class TwellOptions:
             kwargs["inner"] = inner
         if "TWELL_STRICT" in env:
             kwargs["strict"] = env_flag("TWELL_STRICT", env)
+        if "TWELL_RELU_GATE" in env:
+            kwargs["relu_gate"] = env_flag("TWELL_RELU_GATE", env)
         return cls(**kwargs)
 
 
@@ -88,6 +101,17 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     raise ValueError(f"twell: {name}={raw!r} is not accepted; use 1/0 (or true/false, on/off, yes/no)")
 
 
-def _check_l1(value: Any, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"twell: {where} = {value!r} is not accepted; expected a finite float >= 0 (default 2e-5)")
+def check_l1(value: Any, where: str) -> None:
+    """A coefficient is a number >= 0 that stays finite in float32, the dtype the ops read it in
+    (1e39 is a finite Python float but Inf in float32)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or not _finite_in_float32(value):
+        raise ValueError(f"twell: {where} = {value!r} is not accepted; expected a float >= 0 that is finite in "
+                         "float32 (at most 3.4e38; default 2e-5)")
+
+
+def _finite_in_float32(value: float) -> bool:
+    try:
+        return math.isfinite(struct.unpack("f", struct.pack("f", value))[0])  # float32's rounding
+    except OverflowError:
+        return False

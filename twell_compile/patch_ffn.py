@@ -1,32 +1,54 @@
 """Eager rewrite of FFN modules, for scripts that never compile and for DDP.
 
-``patch(model)`` traces each small module that could be an FFN (two or three ``nn.Linear``
-children) with ``torch.fx.symbolic_trace``, linears and ReLUs inlined, so the graph has the same
-``F.linear`` / ``F.relu`` nodes Dynamo produces and the same matcher (``match_ffn``) decides. A
-module whose whole forward is one FFN gets a new ``forward`` that calls the TwELL op. The weights
-are looked up on the module at call time (FSDP swaps the Parameter objects), and autocast and
-grad mode are read at call time too.
+``patch(model)`` traces each small module that could be an FFN (two or three linear children) with
+``torch.fx.symbolic_trace``, linears and ReLUs inlined, so the graph has the same ``F.linear`` /
+``F.relu`` nodes Dynamo produces and the same matcher (``match_ffn``) decides. Example values come
+from meta tensors of the parameters' shapes and dtypes, so a module whose parameters are sharded
+DTensors (FSDP2) traces too. A module whose whole forward is one FFN gets a ``forward`` that calls
+the TwELL op.
+
+A patched module stays an ordinary module (``docs/usage.md``, "Patched modules"):
+
+* its forward is ``functools.partial(patched_forward, module)``, and its patch state an
+  attribute, so ``copy.deepcopy``, pickle and ``torch.save`` work, and a copy computes with its
+  own weights;
+* everything is read at call time: the projections' parameters (FSDP swaps Parameter objects, and
+  ``load_state_dict``, ``.to()`` and optimizers change them), grad mode, autocast, and the
+  module's ``training`` flag (a forward that branches on it is traced again in the other mode);
+* a projection replaced after patching (a PEFT LoRA layer) has its adapters merged at call time,
+  ``W + scaling · B A`` (exact: gradients reach A and B through autograd), where that is the
+  layer's function (no dropout while training, no DoRA); anything else runs the module's own
+  forward, and the report and a warning say why;
+* its layer (id, full name, model) is registered under the patched model (after a copy or an
+  unpickle: on its first call, under the model on the stack, as the compile routes do), so the
+  L1 term is the same mean over the model's layers on every route; a module called twice in one
+  forward adds two L1 terms, on every route.
 
 Under DDP with ``torch.compile``, DDPOptimizer splits Dynamo graphs at bucket boundaries, usually
-inside an FFN; a patched FFN is a single op, so it stays whole (DESIGN.md section 8).
+inside an FFN; a patched FFN is a single op, so it stays whole (docs/architecture.md, "TWELL=1").
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
-from . import lowering  # noqa: F401  (registers torch.ops.twell.*)
-from . import reporting
-from .l1 import coefficient_tensor
+from . import layers, lowering, loss_scaling_hooks, reporting
+from .l1 import forward_value
 from .match_ffn import FfnMatch, find_ffns
+from .module_paths import ModelIndex, calling_model, clean_path, display_name, unwrap
 from .options import TwellOptions
 from .reporting import Rewritten, SkipReason, Skipped
 
-_PATCHED_ATTR = "_twell_patched_layer"
+STATE_ATTR = "_twell_ffn"
+_ROLES = ("gate", "up", "down")
 
 
 @dataclass
@@ -45,7 +67,8 @@ def patch(model: nn.Module, **options) -> PatchResult:
 
     Args:
         model: any module; FFN submodules are found by tracing, not by class name.
-        **options: ``l1_coeff`` and ``strict``, as for the backend (``inner`` is ignored).
+        **options: ``l1_coeff`` and ``strict``, as for the backend (``inner`` and ``mode`` are
+            ignored).
 
     Returns:
         A ``PatchResult`` with the rewritten modules and the FFN-like ones left alone.
@@ -55,76 +78,176 @@ def patch(model: nn.Module, **options) -> PatchResult:
         >>> result = twell_compile.patch(model, l1_coeff=2e-5)
         >>> print(result)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"twell: patch(model) needs a torch.nn.Module, got {type(model).__name__}")
     opts = TwellOptions.from_dict(options)
-    candidates = [(name, mod) for name, mod in model.named_modules() if _is_candidate(mod)]
-    found: list[tuple[str, nn.Module, fx.GraphModule, FfnMatch]] = []
+    loss_scaling_hooks.install()
     result = PatchResult()
-    for name, mod in candidates:
-        traced = _trace(mod)
-        if traced is None:
+    found = []
+    root = unwrap(model)
+    for name, mod in root.named_modules():
+        if STATE_ATTR in mod.__dict__ or not _is_candidate(mod):
             continue
-        matches, skipped = find_ffns(traced)
-        where = name or type(model).__name__
-        result.skipped.extend(Skipped(f"{where}.{s.where}", s.reason, s.detail, "patch") for s in skipped)
-        if len(matches) == 1 and _is_whole_forward(traced, matches[0]):
-            found.append((where, mod, traced, matches[0]))
-        elif matches:
-            result.skipped.append(Skipped(where, SkipReason.NOT_WHOLE_MODULE, f"{len(matches)} FFN(s) inside a larger forward", "patch"))
+        path = clean_path(name)
+        where = display_name(root, path)
+        # Both training modes now: a forward may branch on self.training, and tracing at call time
+        # would be a side effect inside a compiled region.
+        roles = {}
+        for mode in (mod.training, not mod.training):
+            roles[mode], skipped = _examine(mod, where, mode, opts.relu_gate)
+            if mode == mod.training:
+                result.skipped.extend(skipped)
+        if roles[mod.training] is not None:
+            found.append((path, where, mod, roles))
     if opts.strict and result.skipped:
         from .rewrite_ffn import TwellRewriteError
 
         details = "\n".join(f"  - {s}" for s in result.skipped)
         raise TwellRewriteError(f"twell (strict=True): {len(result.skipped)} FFN-like pattern(s) cannot be patched:\n{details}")
-    coefficients: dict[str, torch.Tensor] = {}
-    for where, mod, traced, m in found:
-        layer = reporting.new_layer_id()
-        lowering.telemetry.ensure(layer, next(mod.parameters()).device)
-        mod.forward = _patched_forward(mod, _attribute_paths(m), len(found), layer, opts.l1_coeff, coefficients)
-        setattr(mod, _PATCHED_ATTR, layer)
-        reporting.name_patched_layer(layer, where)
-        dtype = next(mod.parameters()).dtype
-        biases = ",".join(n for n, b in (("gate", m.gate.bias if m.gate else None), ("up", m.up.bias), ("down", m.down.bias)) if b is not None)
-        result.rewritten.append(Rewritten(layer, where, m.kind, biases or "none", str(dtype).replace("torch.", ""), "twell::ffn / ffn_train (patched)", "patch"))
+    for path, where, mod, roles in found:
+        state = FFNPatch(where, opts.l1_coeff, roles, mod.__dict__.get("forward"))
+        device = next(mod.parameters()).device
+        state.register(mod, root, path, device)
+        mod.__dict__[STATE_ATTR] = state
+        mod.forward = functools.partial(patched_forward, mod)
+        kind = roles[mod.training]
+        op = "twell::ffn / ffn_train (patched)" + (f", {kind.gate_activation} gate as ReLU" if kind.gate_activation != "ReLU" else "")
+        result.rewritten.append(Rewritten(state.layer.id, where, kind.kind, kind.biases, _dtype_name(mod), op, "patch"))
     reporting.record(result.rewritten, result.skipped)
     return result
 
 
+# ---------------------------------------------------------------------------------------------
+# Finding the FFN in a module
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Which child module is each projection of a matched FFN."""
+
+    children: tuple  # (gate child name or None, up child name, down child name)
+    kind: str
+    biases: str
+    gate_activation: str = "ReLU"  # what the module computes; the op computes ReLU
+
+
+def _linear_like(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or _lora_base(m) is not None
+
+
+def _lora_base(m: nn.Module) -> Optional[nn.Linear]:
+    """A PEFT LoRA layer's wrapped ``nn.Linear`` (duck-typed: peft need not be installed)."""
+    base = getattr(m, "base_layer", None)
+    return base if isinstance(base, nn.Linear) and hasattr(m, "lora_A") and hasattr(m, "lora_B") else None
+
+
 def _is_candidate(mod: nn.Module) -> bool:
-    if hasattr(mod, _PATCHED_ATTR):
-        return False
     children = list(mod.children())
-    linears = [c for c in children if isinstance(c, nn.Linear)]
-    others = [c for c in children if not isinstance(c, nn.Linear)]
+    linears = [c for c in children if _linear_like(c)]
+    others = [c for c in children if not _linear_like(c)]
     # Anything besides linears must be parameter-free (an activation module, dropout, ...).
     return 2 <= len(linears) <= 3 and all(not any(True for _ in c.parameters()) for c in others)
 
 
 class _InlineTracer(fx.Tracer):
-    """Inline nn.Linear and nn.ReLU so they appear as F.linear / F.relu, as Dynamo shows them."""
+    """Inline nn.Linear and nn.ReLU so they appear as F.linear / F.relu, as Dynamo shows them; a
+    LoRA layer stays a leaf, which ``_lora_as_linear`` turns into its base layer's ``F.linear``."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if _lora_base(m) is not None:
+            return True
         if isinstance(m, (nn.Linear, nn.ReLU)):
             return False
         return super().is_leaf_module(m, qualname)
 
 
-def _trace(mod: nn.Module) -> Optional[fx.GraphModule]:
-    """Trace ``mod`` and fill example values by running it on one token; None if untraceable."""
+def _examine(mod: nn.Module, where: str, training: bool, relu_gate: bool) -> tuple[Optional[Roles], list[Skipped]]:
+    """Trace ``mod`` in ``training`` mode and match it: its roles if its whole forward is one FFN
+    (a SiLU/GELU-gated one only with ``relu_gate``)."""
+    was_training = mod.training
     try:
-        graph = _InlineTracer().trace(mod)
-        gm = fx.GraphModule(mod, graph)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != 1:
-            return None
-        first = next(c for c in mod.children() if isinstance(c, nn.Linear))
-        x = torch.zeros(1, first.in_features, dtype=first.weight.dtype, device=first.weight.device)
-        _ExampleValues(gm).run(x)
-        return gm
-    except Exception:  # noqa: BLE001 - a module we cannot trace is simply not an FFN candidate
+        mod.train(training)
+        gm = _trace(mod)
+    except Exception as exc:  # noqa: BLE001 - a module we cannot trace is recorded, never fatal
+        return None, [Skipped(where, SkipReason.TRACE_FAILED, f"{type(exc).__name__}: {exc}"[:300], "patch")]
+    finally:
+        mod.train(was_training)
+    if gm is None:
+        return None, []
+    matches, skipped = find_ffns(gm)
+    skipped = [Skipped(f"{where}.{s.where}", s.reason, s.detail, "patch") for s in skipped]
+    if len(matches) == 1 and _is_whole_forward(gm, matches[0]):
+        m = matches[0]
+        if m.gate_activation != "ReLU" and not relu_gate:
+            return None, skipped + [Skipped(where, SkipReason.NOT_RELU, m.gate_activation, "patch")]
+        return _roles(m), skipped
+    if matches:
+        skipped.append(Skipped(where, SkipReason.NOT_WHOLE_MODULE, f"{len(matches)} FFN(s) inside a larger forward", "patch"))
+    return None, skipped
+
+
+def _trace(mod: nn.Module) -> Optional[fx.GraphModule]:
+    """The module's graph with example values from meta tensors; None if it is not one-input."""
+    graph = _InlineTracer().trace(mod)
+    gm = fx.GraphModule(mod, graph)
+    _lora_as_linear(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
         return None
+    d_model = _input_features(gm, placeholders[0])
+    if d_model is None:
+        return None
+    dtype = next(mod.parameters()).dtype
+    _MetaValues(gm).run(torch.empty(1, d_model, dtype=dtype, device="meta"))
+    return gm
 
 
-class _ExampleValues(fx.Interpreter):
+def _lora_as_linear(gm: fx.GraphModule) -> None:
+    """``call_module`` of a LoRA layer → ``F.linear`` of its base layer's parameters (the adapters
+    are added at call time)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        base = _lora_base(gm.get_submodule(node.target))
+        if base is None:
+            continue
+        with gm.graph.inserting_before(node):
+            w = gm.graph.get_attr(f"{node.target}.base_layer.weight")
+            b = gm.graph.get_attr(f"{node.target}.base_layer.bias") if base.bias is not None else None
+            linear = gm.graph.call_function(F.linear, (node.args[0], w, b))
+        node.replace_all_uses_with(linear)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _input_features(gm: fx.GraphModule, x: fx.Node) -> Optional[int]:
+    """D, from the first linear that reads the input (whatever the order the linears were declared)."""
+    for user in x.users:
+        if user.op == "call_function" and user.target in (F.linear, torch._C._nn.linear) and len(user.args) > 1:
+            weight = user.args[1]
+            if isinstance(weight, fx.Node) and weight.op == "get_attr":
+                return _attr(gm, weight.target).shape[-1]
+    return None
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _MetaValues(fx.Interpreter):
+    """Example values on the meta device: parameters of any kind (DTensor too) become meta tensors
+    of their full shape and dtype, so nothing real runs."""
+
+    def fetch_attr(self, target: str):
+        value = super().fetch_attr(target)
+        if isinstance(value, torch.Tensor):
+            return torch.empty(tuple(value.shape), dtype=value.dtype, device="meta", requires_grad=value.requires_grad)
+        return value
+
     def run_node(self, n: fx.Node):
         with torch.no_grad():
             value = super().run_node(n)
@@ -137,48 +260,192 @@ def _is_whole_forward(gm: fx.GraphModule, m: FfnMatch) -> bool:
     return output.args[0] is m.down.out and m.x.op == "placeholder"
 
 
-def _attribute_paths(m: FfnMatch) -> dict[str, Optional[str]]:
-    """Attribute paths (``"gate_proj.weight"``) of the FFN's tensors on the module."""
+def _roles(m: FfnMatch) -> Optional[Roles]:
+    """The child module of each projection (``gate_proj.weight`` → ``gate_proj``), or None if a
+    weight is not a direct child's (the patched forward reads children)."""
 
-    def path(node) -> Optional[str]:
-        if node is None:
+    def child(proj) -> Optional[str]:
+        if proj is None:
             return None
+        node = proj.weight
         if node.op != "get_attr":
-            raise ValueError(f"twell: {node.name} is not a module attribute")
-        return node.target
+            return ""
+        parts = node.target.split(".")
+        if parts[-1] != "weight" or len(parts) not in (2, 4) or (len(parts) == 4 and parts[1] != "base_layer"):
+            return ""
+        return parts[0]
 
-    return {
-        "wg": path(m.gate.weight) if m.gate else None,
-        "wu": path(m.up.weight),
-        "wd": path(m.down.weight),
-        "bg": path(m.gate.bias) if m.gate else None,
-        "bu": path(m.up.bias),
-        "bd": path(m.down.bias),
-    }
+    names = tuple(child(p) for p in (m.gate, m.up, m.down))
+    if "" in names:
+        return None
+    biases = ",".join(role for role, proj in zip(_ROLES, (m.gate, m.up, m.down)) if proj is not None and proj.bias is not None)
+    return Roles(names, m.kind, biases or "none", m.gate_activation)
 
 
-def _patched_forward(mod: nn.Module, paths: dict[str, Optional[str]], n_layers: int, layer: int, l1_coeff: float, coefficients: dict):
-    def fetch(path: Optional[str]):
-        if path is None:
+def _hidden(mod: nn.Module, roles: Roles) -> int:
+    """H of a patched FFN module: the outputs of its up projection."""
+    up = getattr(mod, roles.children[1])
+    return (up if isinstance(up, nn.Linear) else _lora_base(up)).out_features
+
+
+def _dtype_name(mod: nn.Module) -> str:
+    return str(next(mod.parameters()).dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The patched forward
+# ---------------------------------------------------------------------------------------------
+
+
+class FFNPatch:
+    """What a patched module keeps: its roles per training mode, and (rebuilt on first use, never
+    copied or pickled) its layer and coefficient tensors."""
+
+    def __init__(self, where: str, l1_coeff: float, roles: dict, original_forward=None):
+        self.where = where
+        self.l1_coeff = l1_coeff
+        self.roles = roles  # {training flag: Roles or None}
+        self.original_forward = original_forward
+        self._reset_runtime()
+
+    _RUNTIME = ("layer", "coefficients", "factors", "warned")
+
+    def _reset_runtime(self) -> None:
+        self.layer: Optional[layers.Layer] = None
+        self.coefficients: dict[str, torch.Tensor] = {}  # str(device) -> live L1 coefficient
+        self.factors: dict[str, torch.Tensor] = {}  # str(device) -> the model's live L1 factor
+        self.warned: set = set()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for key in self._RUNTIME:
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reset_runtime()
+
+    def __deepcopy__(self, memo):
+        clone = FFNPatch.__new__(FFNPatch)
+        clone.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return clone
+
+    def roles_for(self, module: nn.Module) -> Optional[Roles]:
+        """The roles in the module's current training mode (both were traced by ``patch``)."""
+        roles = self.roles.get(module.training)
+        if roles is None:
+            mode = "training" if module.training else "eval"
+            self._fall_back(module, f"in {mode} mode its forward is not one FFN the op computes")
+        return roles
+
+    def register(self, module: nn.Module, model: Optional[nn.Module], identity, device: torch.device) -> None:
+        name = display_name(model, identity) if isinstance(identity, str) else self.where
+        roles = next(r for r in self.roles.values() if r is not None)
+        self.layer = layers.register(model, identity, name, device, hidden=_hidden(module, roles), l1_coeff=self.l1_coeff)
+        self.factors = {}
+        self.coefficients = {}
+        self._ensure_device(device)
+
+    def _ensure_device(self, device: torch.device) -> None:
+        """The layer's telemetry, L1 factor and coefficient on ``device``, made outside the forward
+        (inside a compiled region making them would be a side effect)."""
+        key = str(device)
+        if key not in self.coefficients:
+            lowering.telemetry.ensure(self.layer.id, device)
+            self.factors[key] = layers.factor(self.layer.model, device)
+            self.coefficients[key] = self.layer.coefficient(device)
+
+    @torch._dynamo.disable
+    def register_from_stack(self, module: nn.Module, device: torch.device) -> None:
+        """After a copy or an unpickle: the layer under the model calling it (the modules on the stack)."""
+        model = calling_model()
+        path = ModelIndex(model).module_path(module) if model is not None else None
+        self.register(module, model if path is not None else None, path if path is not None else ("module", id(module)),
+                      device)
+
+    @torch._dynamo.disable
+    def moved_to(self, device: torch.device) -> None:
+        self._ensure_device(device)
+
+    def _fall_back(self, module: nn.Module, why: str) -> None:
+        if why in self.warned:
+            return
+        self.warned.add(why)
+        reporting.record([], [Skipped(self.where, SkipReason.PATCH_FALLBACK, why, "patch")], graphs=0)
+        warnings.warn(f"twell: {self.where} runs its own forward, without the TwELL op or its L1 term: {why}",
+                      RuntimeWarning, stacklevel=4)
+
+    def run_original(self, module: nn.Module, x, *args, **kwargs):
+        if self.original_forward is not None:
+            return self.original_forward(x, *args, **kwargs)
+        return type(module).forward(module, x, *args, **kwargs)
+
+
+def patched_forward(module: nn.Module, x, *args, **kwargs):
+    """A patched FFN module's forward: the TwELL op on the module's current parameters."""
+    state: FFNPatch = module.__dict__[STATE_ATTR]
+    roles = state.roles_for(module) if not (args or kwargs) and isinstance(x, torch.Tensor) else None
+    params = None if roles is None else _parameters(state, module, roles)
+    if params is None:
+        return state.run_original(module, x, *args, **kwargs)
+    if state.layer is None:
+        state.register_from_stack(module, x.device)
+    key = str(x.device)
+    if key not in state.coefficients:
+        state.moved_to(x.device)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):  # F.linear would run in the autocast dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        x = x.to(dtype)
+        params = [None if t is None else t.to(dtype) for t in params]
+    wg, wu, wd, bg, bu, bd = params
+    layer = state.layer.id
+    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in params)):
+        coefficient = state.coefficients[key]
+        # The value for this forward's backward: a graph's own clone when compiled, else a
+        # snapshot made once per change of the coefficient (l1.py).
+        coeff = coefficient.clone() if torch.compiler.is_compiling() else forward_value(coefficient)
+        return torch.ops.twell.ffn_train(x, wg, wu, wd, bg, bu, bd, coeff, state.factors[key], layer)[0]
+    return torch.ops.twell.ffn(x, wg, wu, wd, bg, bu, bd, layer)
+
+
+def _parameters(state: FFNPatch, module: nn.Module, roles: Roles) -> Optional[list]:
+    """``[wg, wu, wd, bg, bu, bd]`` read now from the projections (LoRA adapters merged), or None
+    (after a fall-back has been recorded) when one is no longer a linear the op can take."""
+    weights, biases = {}, {}
+    for role, name in zip(_ROLES, roles.children):
+        if name is None:
+            weights[role] = biases[role] = None
+            continue
+        child = getattr(module, name, None)
+        found = _linear_parameters(child, module.training)
+        if isinstance(found, str):
+            state._fall_back(module, f"its {name} is {found}")
             return None
-        obj = mod
-        for part in path.split("."):
-            obj = getattr(obj, part)
-        return obj
+        weights[role], biases[role] = found
+    return [weights["gate"], weights["up"], weights["down"], biases["gate"], biases["up"], biases["down"]]
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        tensors = [fetch(paths[k]) for k in ("wg", "wu", "wd", "bg", "bu", "bd")]
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):  # F.linear would run in the autocast dtype
-            dtype = torch.get_autocast_dtype(device_type)
-            x = x.to(dtype)
-            tensors = [None if t is None else t.to(dtype) for t in tensors]
-        wg, wu, wd, bg, bu, bd = tensors
-        if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in tensors)):
-            key = str(x.device)
-            if key not in coefficients:
-                coefficients[key] = coefficient_tensor(l1_coeff, x.device)
-            return torch.ops.twell.ffn_train(x, wg, wu, wd, bg, bu, bd, coefficients[key], n_layers, layer)[0]
-        return torch.ops.twell.ffn(x, wg, wu, wd, bg, bu, bd, layer)
 
-    return forward
+def _linear_parameters(child, training: bool):
+    """``(weight, bias)`` of an ``nn.Linear`` or of a LoRA layer with its adapters merged; a string
+    saying why not otherwise."""
+    if type(child) is nn.Linear or (isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward):
+        return child.weight, child.bias
+    base = _lora_base(child) if isinstance(child, nn.Module) else None
+    if base is None:
+        return f"a {type(child).__name__}, not an nn.Linear"
+    if getattr(child, "merged", False) or getattr(child, "disable_adapters", False):
+        return base.weight, base.bias
+    weight = base.weight
+    for name in getattr(child, "active_adapters", ()):
+        if name not in child.lora_A:
+            continue
+        if getattr(child, "use_dora", {}).get(name, False) or getattr(child, "lora_bias", {}).get(name, False):
+            return f"a LoRA layer with DoRA or a LoRA bias (adapter {name!r}), which cannot be merged"
+        dropout = child.lora_dropout[name] if name in getattr(child, "lora_dropout", {}) else nn.Identity()
+        if training and not isinstance(dropout, nn.Identity):
+            return f"a LoRA layer with dropout while training (adapter {name!r}), which cannot be merged"
+        delta = child.lora_B[name].weight @ child.lora_A[name].weight
+        weight = weight + (delta * child.scaling[name]).to(weight.dtype)
+    return weight, base.bias

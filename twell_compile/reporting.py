@@ -22,6 +22,14 @@ class SkipReason(enum.Enum):
     MIXED_DTYPES = "the inputs and weights have different dtypes outside autocast"
     MIXED_DEVICES = "the inputs and weights are on different devices"
     NOT_WHOLE_MODULE = "the module's forward does more than the FFN, so patch() cannot replace it (torch.compile can)"
+    GRAPH_SPLIT = ("the FFN is cut by a graph boundary (a DDP bucket split or a graph break), so no graph holds all of it: "
+                   "patch the model before wrapping it (twell_compile.patch, or TWELL=1), or set "
+                   "torch._dynamo.config.optimize_ddp = False")
+    EXTRA_TERM = ("a projection is x·Wᵀ + b plus another term (a LoRA adapter?): merge the adapters before compiling "
+                  "(merge_and_unload()), or use twell_compile.patch / TWELL=1, which merge them at call time")
+    NOT_RELU = "the gate activation is not ReLU: relu_gate=True (TWELL_RELU_GATE=1) trains it as a ReLU FFN"
+    TRACE_FAILED = "torch.fx could not trace the module, so patch() cannot tell whether it is an FFN"
+    PATCH_FALLBACK = "a patched module runs its own forward, without the TwELL op or its L1 term"
     INTERNAL_ERROR = "the matcher failed unexpectedly; the graph was left unchanged"
 
     @property
@@ -77,21 +85,13 @@ class Report:
 
 _lock = threading.Lock()
 _current = Report()
-_next_layer = 0
 
 
-def new_layer_id() -> int:
-    global _next_layer
-    with _lock:
-        _next_layer += 1
-        return _next_layer - 1
-
-
-def record(rewritten: list[Rewritten], skipped: list[Skipped]) -> None:
+def record(rewritten: list[Rewritten], skipped: list[Skipped], *, graphs: int = 1) -> None:
     with _lock:
         _current.rewritten.extend(rewritten)
         _current.skipped.extend(skipped)
-        _current.graphs += 1
+        _current.graphs += graphs
 
 
 def report() -> Report:
@@ -103,6 +103,7 @@ def report() -> Report:
 def reset() -> None:
     """Forget the report, the layers' run-time counters and any ``set_l1_coeff`` value that
     layers rewritten from now on would start from (live layers keep their current value)."""
+    from . import layers
     from .l1 import clear_l1_override
 
     with _lock:
@@ -110,6 +111,7 @@ def reset() -> None:
         _current.skipped.clear()
         _current.graphs = 0
     telemetry.reset()
+    layers.reset()
     clear_l1_override()
 
 
@@ -125,6 +127,15 @@ class LayerStats:
     l1: Optional[float]  # (1/T) Σ|h| of the last training call; None for inference calls
     dense_rows: int  # rows computed densely (overflowed tiles or the finiteness guard)
     path: str  # "sparse" or "dense"
+    model: str = ""  # the model the layer belongs to (its class name, numbered when several)
+    hidden: int = 0  # H, so l0 / hidden is the density
+    l1_coeff: Optional[float] = None  # the layer's current L1 coefficient (None before a training call)
+    target_density: Optional[float] = None  # the density the coefficient is steered to, if any
+    dead_neurons: Optional[float] = None  # share of neurons with no activation within the window
+
+    @property
+    def density(self) -> Optional[float]:
+        return self.l0 / self.hidden if self.hidden else None
 
 
 @dataclass
@@ -141,45 +152,95 @@ class Stats:
     def l0(self) -> Optional[float]:
         return sum(s.l0 for s in self.layers) / len(self.layers) if self.layers else None
 
+    @property
+    def density(self) -> Optional[float]:
+        """Mean over layers of the active share of the hidden units."""
+        values = [s.density for s in self.layers if s.density is not None]
+        return sum(values) / len(values) if values else None
+
     def __str__(self) -> str:
         if not self.layers:
             return "twell: no rewritten layer has run yet"
-        rows = [[str(s.layer), s.where, str(s.calls), str(s.tokens), f"{s.l0:.1f}", "-" if s.l1 is None else f"{s.l1:.4g}", str(s.dense_rows), s.path] for s in self.layers]
-        return _table(["layer", "where", "calls", "tokens", "L0 (active/token)", "L1", "dense rows", "path"], rows)
+        models = len({s.model for s in self.layers}) > 1
+        header = (["model"] if models else []) + ["layer", "where", "calls", "tokens", "L0 (active/token)", "density", "L1",
+                                                  "l1_coeff", "dead", "dense rows", "path"]
+        rows = []
+        for s in self.layers:
+            density = "-" if s.density is None else f"{s.density:.3%}"
+            target = "" if s.target_density is None else f" (target {s.target_density:.2%})"
+            rows.append(([s.model] if models else []) + [
+                str(s.layer), s.where, str(s.calls), str(s.tokens), f"{s.l0:.1f}", density + target,
+                "-" if s.l1 is None else f"{s.l1:.4g}", "-" if s.l1_coeff is None else f"{s.l1_coeff:.3g}",
+                "-" if s.dead_neurons is None else f"{s.dead_neurons:.1%}", str(s.dense_rows), s.path])
+        return _table(header, rows)
 
     __repr__ = __str__
 
 
-def stats() -> Stats:
-    """Per-layer telemetry from the last call of each rewritten layer (synchronises the device)."""
-    where = {r.layer: r.where for r in report().rewritten}
-    where.update(_patched_where)
+def stats(model=None) -> Stats:
+    """Per-layer telemetry from the last call of each rewritten layer (synchronises the device).
+
+    Args:
+        model: only this model's layers (a module, or its ``torch.compile``/DDP wrapper).
+    """
+    from . import layers
+    from .module_paths import unwrap
+
+    wanted = layers.model_of(unwrap(model)) if model is not None else None
+    entries = {}
+    for layer_id, v in telemetry.snapshot().items():
+        entry = layers.layer(layer_id)
+        if wanted is not None and (entry is None or entry.model is not wanted):
+            continue
+        entries[layer_id] = (entry, v)
+    labels = _model_labels([e.model for e, _ in entries.values() if e is not None])
     out = []
-    for layer, v in telemetry.snapshot().items():
+    for layer_id, (entry, v) in entries.items():
         tokens = int(v["tokens"])
         l1 = v["l1"]
         dense_rows = int(v["dense_rows"])
+        coefficients = list(entry.coefficients.values()) if entry is not None else []
+        controller = getattr(entry.model, "controller", None) if entry is not None else None
         out.append(
             LayerStats(
-                layer=layer,
-                where=where.get(layer, "?"),
+                layer=layer_id,
+                where=layers.name_of(layer_id),
                 calls=int(v["calls"]),
                 tokens=tokens,
                 l0=v["active"] / max(1, tokens),
                 l1=None if l1 != l1 else l1,
                 dense_rows=dense_rows,
                 path="sparse" if v["sparse"] and dense_rows < tokens else "dense",
+                model=labels.get(id(entry.model), "") if entry is not None else "",
+                hidden=entry.hidden if entry is not None else 0,
+                l1_coeff=float(coefficients[0]) if coefficients else None,
+                target_density=None if controller is None else controller.target,
+                dead_neurons=telemetry.dead_share(layer_id),
             )
         )
     return Stats(out)
 
 
-_patched_where: dict[int, str] = {}
+def _model_labels(models) -> dict[int, str]:
+    """Class names, numbered where two models share one (``LlamaForCausalLM#2``)."""
+    labels, seen = {}, {}
+    for m in models:
+        if id(m) in labels:
+            continue
+        seen[m.label] = seen.get(m.label, 0) + 1
+        labels[id(m)] = m.label if seen[m.label] == 1 else f"{m.label}#{seen[m.label]}"
+    return labels
 
 
-def name_patched_layer(layer: int, where: str) -> None:
-    """Let ``stats()`` name layers rewritten by ``patch()`` (they are not in the compile report)."""
-    _patched_where[layer] = where
+def name_pattern(names: list[str], limit: int = 3) -> str:
+    """Layer names with their numbered parts folded: ``model.layers.*.mlp``."""
+    patterns: list[str] = []
+    for name in names:
+        folded = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        if folded not in patterns:
+            patterns.append(folded)
+    shown = ", ".join(patterns[:limit])
+    return shown + (f", and {len(patterns) - limit} more" if len(patterns) > limit else "")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -3,28 +3,30 @@
 One orchestrating function, ``rewrite_ffns``, runs in this order:
 
 1. match (``match_ffn.find_ffns``): read-only, so a failure leaves the graph untouched;
-2. strict check: with ``strict=True`` any skipped pattern raises before the graph is edited;
-3. rewrite each match: casts first (autocast), then the op call, then the uses are moved;
-4. dead-node removal, lint and recompile; the report is recorded last, once the graph is valid.
+2. name: the model that called this graph and the FFNs' full paths in it (``module_paths``);
+   SiLU/GELU gates are kept only with ``relu_gate``;
+3. strict check: with ``strict=True`` any skipped pattern raises before the graph is edited;
+4. rewrite each match: register its layer (``layers``: one id, name and L1 factor per model),
+   casts first (autocast), then the op call, then the uses are moved;
+5. dead-node removal, lint and recompile; the report is recorded last, once the graph is valid,
+   with a warning if nothing of a model that asked for twell was rewritten.
 """
 
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Optional
 
 import torch
-from torch import fx
+from torch import fx, nn
 
-from . import reporting
-from .l1 import coefficient_tensor
-from .lowering import cuda_impl
-from .match_ffn import FfnMatch, _val, find_ffns, where
+from . import layers, lowering, loss_scaling_hooks, reporting
+from .lowering import mark_cuda_graph_layers
+from .match_ffn import FfnMatch, example_value, find_ffns, where
+from .module_paths import ModelIndex, calling_modules, display_name, real_tensor
 from .options import TwellOptions
-from .reporting import Rewritten, Skipped
-
-# Importing lowering registers torch.ops.twell.*.
-from . import lowering  # noqa: F401  (registers the ops)
+from .reporting import Rewritten, SkipReason, Skipped
 
 
 class TwellRewriteError(RuntimeError):
@@ -36,27 +38,93 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
     """Rewrite every FFN of ``gm`` in place; returns what was rewritten and what was skipped.
 
     ``cuda_graphs``: the inner compiler runs this graph under CUDA graphs (cudagraph trees), whose
-    memory rules the ops then follow (``lowering.cuda_impl.mark_cuda_graph_layers``)."""
+    memory rules the ops then follow (``lowering.mark_cuda_graph_layers``)."""
+    loss_scaling_hooks.install()
     matches, skipped = find_ffns(gm)
-    skipped = [Skipped(s.where, s.reason, s.detail, graph_name) for s in skipped]
+    owner = GraphOwner.of_calling_code()
+    skipped = [Skipped(owner.full(s.where), s.reason, s.detail, graph_name) for s in skipped]
+    kept = []
+    for m in matches:
+        if m.gate_activation != "ReLU" and not options.relu_gate:
+            skipped.append(Skipped(owner.name(m), SkipReason.NOT_RELU, m.gate_activation, graph_name))
+        else:
+            kept.append(m)
     if options.strict and skipped:
         reporting.record([], skipped)
         details = "\n".join(f"  - {s}" for s in skipped)
         raise TwellRewriteError(f"twell (strict=True): {len(skipped)} FFN-like pattern(s) cannot be rewritten:\n{details}")
-    matches = _non_overlapping(matches)
+    kept = _non_overlapping(kept)
     fake_mode = _fake_mode(gm)
     rewritten = []
-    n_layers = len(matches)  # the L1 is a mean over the layers rewritten in this graph
     replaced: dict[fx.Node, fx.Node] = {}  # down-projection output → op output, for chained FFNs
-    for m in matches:
-        rewritten.append(_rewrite_one(gm, m, options, n_layers, fake_mode, graph_name, replaced))
-    if matches:
+    for m in kept:
+        rewritten.append(_rewrite_one(gm, m, options, owner, fake_mode, graph_name, replaced))
+    if kept:
         gm.graph.lint()
         gm.recompile()
     if cuda_graphs:
-        cuda_impl.mark_cuda_graph_layers(r.layer for r in rewritten)
+        mark_cuda_graph_layers(r.layer for r in rewritten)
     reporting.record(rewritten, skipped)
+    if skipped and not rewritten:
+        _warn_nothing_rewritten(owner, skipped, graph_name)
     return rewritten, skipped
+
+
+class GraphOwner:
+    """The model whose call is compiling a graph, and how to name the graph's FFNs in it."""
+
+    def __init__(self, model: Optional[nn.Module], compiled: Optional[nn.Module]):
+        self.model = model
+        self.index = ModelIndex(model) if model is not None else None
+        # Dynamo's module paths are relative to the module being compiled (a decoder layer, when
+        # compiled per layer); its own path in the model completes them.
+        prefix = self.index.module_path(compiled) if self.index is not None and compiled is not None else None
+        self.prefix = prefix or ""
+
+    @classmethod
+    def of_calling_code(cls) -> "GraphOwner":
+        return cls(*calling_modules())
+
+    def full(self, relative: str) -> str:
+        """A Dynamo-relative module path (``mlp``) as a full one (``model.layers.3.mlp``)."""
+        if not self.prefix or relative.startswith("File "):
+            return relative
+        return self.prefix if relative in ("", "model") else f"{self.prefix}.{relative}"
+
+    def layer_of(self, m: FfnMatch) -> tuple[Optional[nn.Module], object, str]:
+        """``(model, identity, name)`` of a matched FFN: its full path in the model when its down
+        weight is one of the model's parameters, else a key unique to its weights."""
+        down = real_tensor(m.down.weight)
+        path = self.index.ffn_path(down) if self.index is not None else None
+        if path is not None:
+            return self.model, path, display_name(self.model, path)
+        name = self.full(where(m.down.out))
+        if down is not None:
+            return None, ("tensor", id(down)), name
+        return None, ("node", id(m.down.out.graph), m.down.out.name), name
+
+    def name(self, m: FfnMatch) -> str:
+        return self.layer_of(m)[2]
+
+
+_warned: set = set()
+
+
+def _warn_nothing_rewritten(owner: GraphOwner, skipped: list[Skipped], graph_name: str) -> None:
+    """Once per model and reason: FFN-like patterns were found and none of the model's FFNs has
+    been rewritten (its L1 term would silently be missing)."""
+    model = layers.model_of(owner.model)
+    if model.layers:
+        return
+    reasons = sorted({s.reason for s in skipped}, key=lambda r: r.name)
+    key = (id(owner.model), tuple(reasons))
+    if key in _warned:
+        return
+    _warned.add(key)
+    label = type(owner.model).__name__ if owner.model is not None else "the compiled code"
+    why = "; ".join(f"{r.text} ({sum(s.reason is r for s in skipped)} pattern(s))" for r in reasons)
+    warnings.warn(f"twell: no FFN of {label} has been rewritten ({graph_name}): {why}. Its L1 term is not injected; "
+                  "twell_compile.report() lists the patterns.", RuntimeWarning, stacklevel=3)
 
 
 def _non_overlapping(matches: list[FfnMatch]) -> list[FfnMatch]:
@@ -73,10 +141,14 @@ def _non_overlapping(matches: list[FfnMatch]) -> list[FfnMatch]:
     return kept
 
 
-def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, n_layers: int, fake_mode, graph_name: str, replaced: dict) -> Rewritten:
+def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, owner: GraphOwner, fake_mode, graph_name: str,
+                 replaced: dict) -> Rewritten:
     graph = gm.graph
-    layer = reporting.new_layer_id()
-    lowering.telemetry.ensure(layer, _val(m.x).device)
+    device = example_value(m.x).device
+    model, identity, name = owner.layer_of(m)
+    hidden = example_value(m.up.weight).shape[0]
+    layer = layers.register(model, identity, name, device, hidden=hidden, l1_coeff=options.l1_coeff)
+    lowering.telemetry.ensure(layer.id, device)
     dtype = m.compute_dtype
     with graph.inserting_before(m.down.out):
 
@@ -85,7 +157,7 @@ def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, n_layer
                 return None
             node = replaced.get(node, node)  # the input may be an FFN rewritten just before
             # Under autocast the projections ran in `dtype`; make that explicit for the op.
-            if _val(node).dtype == dtype:
+            if example_value(node).dtype == dtype:
                 return node
             return _with_meta(graph.call_method("to", (node, dtype)), fake_mode)
 
@@ -98,32 +170,53 @@ def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, n_layer
             cast(m.up.bias),
             cast(m.down.bias),
         )
-        if m.training:
-            coeff = _coefficient_node(gm, _val(m.x).device, options.l1_coeff, fake_mode)
-            call = _with_meta(graph.call_function(torch.ops.twell.ffn_train.default, (*args, coeff, n_layers, layer)), fake_mode)
+    if m.training:
+        coeff = _coefficient_snapshot(gm, layer, device, fake_mode)
+        factor = _graph_tensor(gm, f"_twell_l1_factor_{layer.model.index}_{_device_tag(device)}",
+                               layers.factor(layer.model, device), fake_mode)
+        with graph.inserting_before(m.down.out):
+            call = _with_meta(graph.call_function(torch.ops.twell.ffn_train.default, (*args, coeff, factor, layer.id)),
+                              fake_mode)
             out = _with_meta(graph.call_function(operator.getitem, (call, 0)), fake_mode)
-            op_name = "twell::ffn_train"
-        else:
-            out = _with_meta(graph.call_function(torch.ops.twell.ffn.default, (*args, layer)), fake_mode)
-            op_name = "twell::ffn"
+        op_name = "twell::ffn_train"
+    else:
+        with graph.inserting_before(m.down.out):
+            out = _with_meta(graph.call_function(torch.ops.twell.ffn.default, (*args, layer.id)), fake_mode)
+        op_name = "twell::ffn"
+    if m.gate_activation != "ReLU":
+        op_name += f" ({m.gate_activation} gate as ReLU)"
     out.meta.setdefault("nn_module_stack", m.down.out.meta.get("nn_module_stack", {}))
     out.meta.setdefault("stack_trace", m.down.out.meta.get("stack_trace"))
-    loc = where(m.down.out)
     m.down.out.replace_all_uses_with(out)
     replaced[m.down.out] = out
     for node in m.nodes_to_remove():
         if not node.users:
             graph.erase_node(node)
-    biases = [name for name, b in (("gate", m.gate.bias if m.gate else None), ("up", m.up.bias), ("down", m.down.bias)) if b is not None]
-    return Rewritten(layer, loc, m.kind, ",".join(biases) or "none", str(dtype).replace("torch.", ""), op_name, graph_name)
+    biases = [role for role, b in (("gate", m.gate.bias if m.gate else None), ("up", m.up.bias), ("down", m.down.bias)) if b is not None]
+    return Rewritten(layer.id, name, m.kind, ",".join(biases) or "none", str(dtype).replace("torch.", ""), op_name, graph_name)
 
 
-def _coefficient_node(gm: fx.GraphModule, device: torch.device, value: float, fake_mode) -> fx.Node:
-    """A ``get_attr`` of this graph's live L1 coefficient buffer on ``device`` (one per device)."""
-    name = "_twell_l1_coeff_" + str(device).replace(":", "_")
+def _device_tag(device: torch.device) -> str:
+    return str(device).replace(":", "_")
+
+
+def _coefficient_snapshot(gm: fx.GraphModule, layer: layers.Layer, device: torch.device, fake_mode) -> fx.Node:
+    """A ``clone`` of the layer's live L1 coefficient, at the top of the graph: the value this
+    forward's backward uses, whatever is written into the live tensor before it runs."""
+    live = _graph_tensor(gm, f"_twell_l1_coeff_{layer.id}_{_device_tag(device)}", layer.coefficient(device), fake_mode)
+    for user in live.users:
+        if user.op == "call_method" and user.target == "clone":
+            return user
+    with gm.graph.inserting_after(live):
+        return _with_meta(gm.graph.call_method("clone", (live,)), fake_mode)
+
+
+def _graph_tensor(gm: fx.GraphModule, name: str, tensor: torch.Tensor, fake_mode) -> fx.Node:
+    """A ``get_attr`` of ``tensor``, registered on ``gm`` as buffer ``name``. AOTAutograd lifts a
+    registered buffer to a graph input: passed by reference, so in-place writes reach compiled
+    code and CUDA-graph replays, and never folded into a constant."""
     if not hasattr(gm, name):
-        # A registered buffer is lifted to a graph input by AOTAutograd: passed by reference, never folded.
-        gm.register_buffer(name, coefficient_tensor(value, device))
+        gm.register_buffer(name, tensor)
         sources = getattr(gm, "_param_name_to_source", None)
         if isinstance(sources, dict):  # Dynamo graphs: AOTAutograd asserts every lifted buffer has a source
             from torch._dynamo.source import ConstantSource
@@ -143,7 +236,7 @@ def _coefficient_node(gm: fx.GraphModule, device: torch.device, value: float, fa
 def _fake_mode(gm: fx.GraphModule):
     """The fake mode the nodes' example values belong to (not the ambient tracing context's)."""
     for n in gm.graph.nodes:
-        mode = getattr(_val(n), "fake_mode", None)
+        mode = getattr(example_value(n), "fake_mode", None)
         if mode is not None:
             return mode
     return None
@@ -154,8 +247,8 @@ def _with_meta(node: fx.Node, fake_mode) -> fx.Node:
     if fake_mode is None:
         return node
     try:
-        args = fx.node.map_arg(node.args, _val)
-        if any(isinstance(a, fx.Node) and _val(a) is None for a in node.all_input_nodes):
+        args = fx.node.map_arg(node.args, example_value)
+        if any(isinstance(a, fx.Node) and example_value(a) is None for a in node.all_input_nodes):
             return node  # an input without a value: leave this node's meta empty
         with fake_mode:
             if node.op == "call_method":

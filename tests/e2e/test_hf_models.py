@@ -7,7 +7,7 @@
   which the matcher does not accept, so nothing is rewritten and the logits are unchanged.
 
 Inference logits must equal eager; training gradients must equal eager autograd of
-``loss + l1_coeff · mean_layers (1/T) Σ|h|`` (DESIGN.md section 4), with ``h`` taken as the input
+``loss + l1_coeff · mean_layers (1/T) Σ|h|`` (docs/architecture.md, 'The L1 regularizer'), with ``h`` taken as the input
 of each down projection.
 """
 

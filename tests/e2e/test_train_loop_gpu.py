@@ -2,7 +2,7 @@
 reference path (GPU only, ``-m gpu``).
 
 The reference path is eager PyTorch with the L1 term written out: ``loss + l1_coeff · mean over
-layers of (1/T) Σ|h|``, ``h`` taken as each down projection's input (DESIGN.md section 4). Both
+layers of (1/T) Σ|h|``, ``h`` taken as each down projection's input (docs/architecture.md, 'The L1 regularizer'). Both
 loops start from the same weights and see the same batches (bytes of a stdlib source file), with
 AdamW. twell runs twice: as dispatched (each layer starts dense and turns sparse as L1 works) and
 with the Triton sparse path forced on from the first step, so the sparse forward and backward

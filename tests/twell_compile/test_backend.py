@@ -1,6 +1,6 @@
 """The ``twell`` backend end to end: registration, options, inner compilers, L1 semantics, report, stats.
 
-The L1 oracle is DESIGN.md section 4: training gradients equal eager autograd of
+The L1 oracle is docs/architecture.md, 'The L1 regularizer': training gradients equal eager autograd of
 ``loss + l1_coeff · mean_over_rewritten_layers((1/T) Σ_t Σ_j |h[t, j]|)``.
 """
 
@@ -139,14 +139,14 @@ def test_mode_in_options_reaches_inductor_with_other_options(monkeypatch):
     """torch.compile refuses ``mode`` together with ``options``: ``options["mode"]`` stands in, and
     acts as ``mode`` does (Inductor's mode, layers marked for CUDA graphs)."""
     from twell_compile import backend
-    from twell_compile.lowering import cuda_impl
+    from twell_compile.lowering import cuda_graphs
 
     seen = []
     monkeypatch.setattr(backend, "compile_inner", lambda gm, inputs, inner, mode=None: seen.append(mode) or gm.forward)
-    monkeypatch.setattr(cuda_impl, "_CUDA_GRAPH_LAYERS", set())
+    monkeypatch.setattr(cuda_graphs, "CUDA_GRAPH_LAYERS", set())
     reset_state()
     torch.compile(GatedFFN(D, H), backend="twell", options={"mode": "reduce-overhead", "l1_coeff": 1e-5})(torch.randn(2, D))
-    assert seen == ["reduce-overhead"] and cuda_impl._CUDA_GRAPH_LAYERS
+    assert seen == ["reduce-overhead"] and cuda_graphs.CUDA_GRAPH_LAYERS
     with pytest.raises(RuntimeError, match="mode or options"):  # why the option exists
         torch.compile(GatedFFN(D, H), backend="twell", mode="reduce-overhead", options={"l1_coeff": 1e-5})
     reset_state()
@@ -254,7 +254,7 @@ def ffn_cases(draw):
 def _build(case):
     """An FFN module whose controlled unit (gate, or up for plain) is active with ``density``.
 
-    Density is set the DESIGN.md section 10 way, which works with or without a bias: feature 0 of
+    Density is set the way docs/benchmarks.md ('Method') describes, which works with or without a bias: feature 0 of
     x is the constant 1 and column 0 of the controlled weight holds the normal-quantile shift.
     """
     torch.manual_seed(case["seed"])
@@ -457,12 +457,12 @@ def test_stats_after_a_training_step():
     assert "layers.1" in text and "L0" in text and "L1" in text
 
     train_l1 = stats.l1
-    with torch.no_grad():  # a new (inference) graph: its layers never measured an L1
+    with torch.no_grad():  # a new (inference) graph of the same layers: the same rows, one call more
         compiled(x)
     stats = twell_compile.stats()
-    assert len(stats.layers) == 6
-    assert [s.l1 for s in stats.layers[3:]] == [None] * 3
-    assert stats.l1 == pytest.approx(train_l1)  # the mean is over layers that measured one
+    assert [s.where for s in stats.layers] == ["layers.0", "layers.1", "layers.2"]
+    assert [s.calls for s in stats.layers] == [2, 2, 2]
+    assert stats.l1 == pytest.approx(train_l1)  # an inference call keeps the last training call's L1
 
     twell_compile.reset()
     assert twell_compile.stats().layers == [] and twell_compile.stats().l0 is None
@@ -481,27 +481,28 @@ def test_layers_compiled_for_cuda_graphs_keep_no_activations_between_forward_and
     """Under cudagraph trees the forward's warm-up runs in the graphs' memory pool, where a tensor
     kept past the op (the dense path's hand-off to its backward) is an error: such layers are
     marked at compile time, and the op then keeps nothing for them."""
-    from twell_compile.lowering import cuda_impl
+    from twell_compile.lowering import cuda_graphs
+    from twell_compile.lowering.handoff import HANDOFF, remember, take_saved
     from twell_compile.options import TwellOptions
     from twell_compile.rewrite_ffn import rewrite_ffns
 
-    monkeypatch.setattr(cuda_impl, "_CUDA_GRAPH_LAYERS", set())
+    monkeypatch.setattr(cuda_graphs, "CUDA_GRAPH_LAYERS", set())
     reset_state()
     torch.compile(GatedFFN(D, H), backend="twell", options={"inner": "eager"})(torch.randn(2, D))
-    assert cuda_impl._CUDA_GRAPH_LAYERS == set()  # no graphs: nothing marked
+    assert cuda_graphs.CUDA_GRAPH_LAYERS == set()  # no graphs: nothing marked
 
     def graphs_backend(gm, example_inputs):
         rewritten, _ = rewrite_ffns(gm, TwellOptions(), cuda_graphs=True)
         assert rewritten
-        assert cuda_impl._CUDA_GRAPH_LAYERS == {r.layer for r in rewritten}
+        assert cuda_graphs.CUDA_GRAPH_LAYERS == {r.layer for r in rewritten}
         return gm.forward
 
     torch.compile(GatedFFN(D, H), backend=graphs_backend)(torch.randn(2, D))
-    assert cuda_impl._CUDA_GRAPH_LAYERS
+    assert cuda_graphs.CUDA_GRAPH_LAYERS
     count = torch.zeros(4, dtype=torch.int32)
     saved = (torch.ones(1),) * 3
-    cuda_impl._remember(count, True, saved, next(iter(cuda_impl._CUDA_GRAPH_LAYERS)))
-    assert count.data_ptr() not in cuda_impl._HANDOFF
-    cuda_impl._remember(count, True, saved, -1)  # an unmarked layer keeps them
-    assert cuda_impl._take_saved(count.data_ptr(), dense=True) is saved
+    remember(count, True, saved, next(iter(cuda_graphs.CUDA_GRAPH_LAYERS)))
+    assert count.data_ptr() not in HANDOFF
+    remember(count, True, saved, -1)  # an unmarked layer keeps them
+    assert take_saved(count.data_ptr(), dense=True) is saved
     reset_state()

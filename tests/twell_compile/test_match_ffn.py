@@ -1,4 +1,4 @@
-"""The FFN matcher and rewrite (DESIGN.md section 7), driven through ``torch.compile(backend="twell")``.
+"""The FFN matcher and rewrite (docs/architecture.md, 'The matcher'), driven through ``torch.compile(backend="twell")``.
 
 Every spelling the design accepts must be rewritten (counted by ``report()``), with outputs equal
 to eager. Near misses must be left alone and listed in ``report().skipped`` with the right
@@ -87,7 +87,7 @@ def assert_skipped(report, reason: SkipReason):
 
 
 # ---------------------------------------------------------------------------------------------
-# Spellings (DESIGN.md section 7, "Accept")
+# Spellings (docs/architecture.md, 'The matcher')
 # ---------------------------------------------------------------------------------------------
 
 PROJECTION_SPELLINGS = {
@@ -357,7 +357,7 @@ def test_overlapping_relu_mlp_chain_never_crashes():
 
 
 # ---------------------------------------------------------------------------------------------
-# Near misses (must NOT be rewritten; DESIGN.md section 7, "Every intermediate must have a single user")
+# Near misses (must NOT be rewritten; docs/architecture.md, 'The matcher')
 # ---------------------------------------------------------------------------------------------
 
 
