@@ -106,6 +106,9 @@ def _patch_now(module) -> None:
     result = patch(module, l1_coeff=_options.l1_coeff, strict=_options.strict, relu_gate=_options.relu_gate)
     if result.rewritten:
         announce(result.rewritten, result.skipped)
+        from .integrations import attach_to_running_trainer
+
+        attach_to_running_trainer()  # a Hugging Face Trainer's accumulation steps and logs
         _remove_hook()  # global hooks slow every module call; the model is patched now
     else:
         if result.skipped or _looks_like_a_model(module):

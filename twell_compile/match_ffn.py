@@ -231,7 +231,10 @@ def match_at_relu(act: fx.Node, gm: Optional[fx.GraphModule] = None) -> Union[Ff
 
 
 def _projection_plus_term(node: object) -> bool:
-    """``projection + something that is not a bias``: a LoRA-adapted linear, ``base(x) + B(A(x))·s``."""
+    """``projection + something that is not a bias``, perhaps cast: a LoRA-adapted linear, PEFT's
+    ``(base(x) + B(A(x))·s).to(dtype)``."""
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("to", "float", "type_as"):
+        node = node.args[0]
     if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or len(node.args) != 2:
         return False
     is_add = node.target in _ADD_FNS or node.target in ("add", "add_") or node.target is operator.iadd

@@ -76,7 +76,11 @@ class TwellOptions:
                 kwargs["l1_coeff"] = float(raw)
             except ValueError:
                 raise ValueError(f"twell: TWELL_L1={raw!r} is not a number; expected a float >= 0, e.g. TWELL_L1=2e-5") from None
-            check_l1(kwargs["l1_coeff"], "TWELL_L1")
+            try:
+                check_l1(kwargs["l1_coeff"], "TWELL_L1")
+            except ValueError:
+                raise ValueError(f"twell: TWELL_L1={raw!r} is not accepted; expected a float >= 0 that is finite in "
+                                 "float32, e.g. TWELL_L1=2e-5") from None
         if "TWELL_INNER" in env:
             inner = env["TWELL_INNER"].strip().lower()
             if inner not in INNER_COMPILERS:

@@ -92,13 +92,13 @@ def patch(model: nn.Module, **options) -> PatchResult:
         where = display_name(root, path)
         # Both training modes now: a forward may branch on self.training, and tracing at call time
         # would be a side effect inside a compiled region.
-        roles = {}
+        roles, skips = {}, {}
         for mode in (mod.training, not mod.training):
-            roles[mode], skipped = _examine(mod, where, mode, opts.relu_gate)
-            if mode == mod.training:
-                result.skipped.extend(skipped)
-        if roles[mod.training] is not None:
-            found.append((path, where, mod, roles))
+            roles[mode], skips[mode] = _examine(mod, where, mode, opts.relu_gate)
+        if any(r is not None for r in roles.values()):
+            found.append((path, where, mod, roles))  # the other mode, if it differs, runs the module's own forward
+        else:
+            result.skipped.extend(skips[mod.training])
     if opts.strict and result.skipped:
         from .rewrite_ffn import TwellRewriteError
 
@@ -110,7 +110,7 @@ def patch(model: nn.Module, **options) -> PatchResult:
         state.register(mod, root, path, device)
         mod.__dict__[STATE_ATTR] = state
         mod.forward = functools.partial(patched_forward, mod)
-        kind = roles[mod.training]
+        kind = roles[mod.training] or roles[not mod.training]
         op = "twell::ffn / ffn_train (patched)" + (f", {kind.gate_activation} gate as ReLU" if kind.gate_activation != "ReLU" else "")
         result.rewritten.append(Rewritten(state.layer.id, where, kind.kind, kind.biases, _dtype_name(mod), op, "patch"))
     reporting.record(result.rewritten, result.skipped)

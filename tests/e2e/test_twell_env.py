@@ -284,12 +284,57 @@ def test_twell_1_eager_patch_is_one_shot_without_relu_ffns(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("var,value", [("TWELL_L1", "abc"), ("TWELL_L1", "-1"), ("TWELL_STRICT", "maybe"), ("TWELL_INNER", "foo")])
+@pytest.mark.parametrize("var,value", [("TWELL_L1", "abc"), ("TWELL_L1", "-1"), ("TWELL_L1", "1e39"), ("TWELL_STRICT", "maybe"),
+                                       ("TWELL_INNER", "foo"), ("TWELL_QUIET", "loud"), ("TWELL_RELU_GATE", "2"),
+                                       ("TWELL", "flase"), ("TWELL", "garbage")])
 def test_invalid_env_value_exits_naming_the_variable(var, value, tmp_path):
-    proc = run_python(["-c", "import torch; print('IMPORTED')"], clean_env(TWELL="1", **{var: value}), tmp_path)
-    assert proc.returncode != 0
+    """One line on stderr naming the variable, exit status 2, no traceback; nothing runs after
+    ``import torch`` (a typo in TWELL must not switch twell on, nor train without it silently)."""
+    env = clean_env(**{"TWELL": "1", var: value})
+    proc = run_python(["-c", "import torch; print('IMPORTED')"], env, tmp_path)
+    assert proc.returncode == 2
     assert "IMPORTED" not in proc.stdout
     assert var in proc.stderr and value in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+FFN_FIRST_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from torch import nn
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(16, 40), nn.Linear(16, 40), nn.Linear(40, 16)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.gate(x)) * self.up(x))
+
+    torch.manual_seed(0)
+    model = MLP()  # the FFN is the model: it is the first module called
+    x = torch.randn(4, 16)
+    out = model(x)
+    out.square().mean().backward()
+    torch.save({"state": {k: v for k, v in model.state_dict().items()}, "x": x, "out": out.detach(),
+                "grads": {n: p.grad for n, p in model.named_parameters()}}, sys.argv[1])
+    """
+)
+
+
+def test_twell_1_patches_an_ffn_that_is_the_first_module_called(tmp_path):
+    """Step 0 runs patched too: its gradients carry the L1 term."""
+    script = tmp_path / "ffn_first.py"
+    script.write_text(FFN_FIRST_SCRIPT)
+    out = tmp_path / "ffn_first.pt"
+    proc = run_python([str(script), str(out)], clean_env(TWELL="1", TWELL_L1="0.5"), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = torch.load(out)
+    model = GatedFFN(16, 40)
+    model.load_state_dict(data["state"])
+    eager_loss(model, lambda: model(data["x"]), lambda o: o.square().mean(), 0.5).backward()
+    for name, p in model.named_parameters():
+        assert_close(data["grads"][name], p.grad, rtol=1e-4, atol=1e-5 * (1 + float(p.grad.abs().max())), name=name)
 
 
 CHECK_MODULES = textwrap.dedent(

@@ -1,0 +1,120 @@
+"""Training-framework integrations: a Hugging Face ``TrainerCallback``.
+
+``TwellCallback`` does two things for a ``transformers.Trainer`` run:
+
+* it tells twell the loss scale of gradient accumulation, ``1 / gradient_accumulation_steps``
+  (the Trainer divides each micro-batch's loss by it, or normalises it by the accumulated batch's
+  token count, which is the same for micro-batches of equal size), so the injected L1 term sums
+  to one step on the whole batch (docs/usage.md, "Loss scaling");
+* at each logging step it adds twell's telemetry to the Trainer's logs and ``state.log_history``
+  (seen by the loggers called after it: all of them under ``TWELL=1``, which puts it first),
+  means over the rewritten layers:
+  ``twell/density``, ``twell/l0`` (active neurons per token), ``twell/l1``, ``twell/l1_coeff``,
+  ``twell/dead_neurons``, ``twell/dense_rows`` and ``twell/sparse_layers`` (how many layers ran the
+  sparse path). Reading them waits for the device, at the step where the Trainer itself reads the
+  loss.
+
+Under ``TWELL=1`` the callback is added to the Trainer on the model's first call. Otherwise::
+
+    >>> from twell_compile.integrations import TwellCallback
+    >>> trainer = Trainer(model=model, args=args, ..., callbacks=[TwellCallback()])
+
+transformers is imported only when ``TwellCallback`` is first used.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+from typing import Optional
+
+
+def telemetry_logs(model=None) -> dict[str, float]:
+    """twell's telemetry as flat ``twell/...`` numbers: means over the (model's) rewritten layers."""
+    from .reporting import stats
+
+    layers = stats(model).layers
+    if not layers:
+        return {}
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else None
+
+    logs = {
+        "twell/density": mean(s.density for s in layers),
+        "twell/l0": mean(s.l0 for s in layers),
+        "twell/l1": mean(s.l1 for s in layers),
+        "twell/l1_coeff": mean(s.l1_coeff for s in layers),
+        "twell/dead_neurons": mean(s.dead_neurons for s in layers),
+        "twell/dense_rows": mean(s.dense_rows for s in layers),
+        "twell/sparse_layers": float(sum(s.path == "sparse" for s in layers)),
+    }
+    return {k: v for k, v in logs.items() if v is not None}
+
+
+@functools.lru_cache(maxsize=None)
+def _callback_class():
+    from transformers import TrainerCallback
+
+    from .loss_scaling import set_loss_scale
+
+    class TwellCallback(TrainerCallback):
+        """Gradient accumulation's loss scale for twell's L1 term, and twell's telemetry in the logs."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            set_loss_scale(1.0 / max(1, args.gradient_accumulation_steps))
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            set_loss_scale(1.0 / max(1, args.gradient_accumulation_steps))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            set_loss_scale(1.0)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            found = telemetry_logs(kwargs.get("model"))
+            if logs is not None:
+                logs.update(found)  # what the callbacks after this one report
+            if state.log_history:
+                state.log_history[-1].update(found)  # the Trainer appended its copy before the callbacks ran
+
+    TwellCallback.__module__ = __name__
+    return TwellCallback
+
+
+def attach_to_running_trainer() -> bool:
+    """Under ``TWELL=1``: add ``TwellCallback`` to a ``transformers.Trainer`` whose training loop is
+    on the stack (the model's first call happens inside it), and set this step's loss scale, which
+    its ``on_step_begin`` will set from the next step on. True if one was found."""
+    transformers = sys.modules.get("transformers")
+    trainer_cls = getattr(transformers, "Trainer", None) if transformers is not None else None
+    if trainer_cls is None:
+        return False
+    trainer = _trainer_on_stack(trainer_cls)
+    if trainer is None:
+        return False
+    cls = _callback_class()
+    callbacks = trainer.callback_handler.callbacks
+    if not any(isinstance(cb, cls) for cb in callbacks):
+        callbacks.insert(0, cls())  # first: the loggers after it report its numbers
+    from .loss_scaling import set_loss_scale
+
+    set_loss_scale(1.0 / max(1, trainer.args.gradient_accumulation_steps))
+    return True
+
+
+def _trainer_on_stack(trainer_cls) -> Optional[object]:
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, trainer_cls):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def __getattr__(name: str):
+    if name == "TwellCallback":
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
