@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from dataclasses import dataclass, field
@@ -177,12 +178,46 @@ class Stats:
     __repr__ = __str__
 
 
-def stats(model=None) -> Stats:
+def stats(model=None, *, reduce: bool = False) -> Stats:
     """Per-layer telemetry from the last call of each rewritten layer (synchronises the device).
 
     Args:
         model: only this model's layers (a module, or its ``torch.compile``/DDP wrapper).
+        reduce: under ``torch.distributed``, sum the counters over the ranks (every rank must
+            call it, as for any collective): tokens, active entries and dense rows are summed,
+            L0 and L1 become means over all ranks' tokens, a layer's path is "sparse" only if
+            it was on every rank. The hot path is untouched; the collective runs here.
     """
+    rows = _local_stats(model)
+    return Stats(_all_reduced(rows) if reduce else rows)
+
+
+def _all_reduced(rows: list[LayerStats]) -> list[LayerStats]:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return rows
+    keys = [(r.model, r.where) for r in rows]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, keys)
+    common = set(keys).intersection(*map(set, everyone))
+    rows = sorted((r for r in rows if (r.model, r.where) in common), key=lambda r: (r.model, r.where))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    values = torch.tensor([[r.calls, r.tokens, r.l0 * r.tokens, r.dense_rows, (r.l1 or 0.0) * r.tokens,
+                            float(r.l1 is not None) * r.tokens, float(r.path == "sparse")] for r in rows],
+                          dtype=torch.float64, device=device).reshape(len(rows), 7)
+    dist.all_reduce(values)
+    world = dist.get_world_size()
+    out = []
+    for r, (calls, tokens, active, dense, l1_sum, l1_tokens, sparse) in zip(rows, values.tolist()):
+        out.append(dataclasses.replace(
+            r, calls=int(calls), tokens=int(tokens), l0=active / max(1.0, tokens), dense_rows=int(dense),
+            l1=l1_sum / l1_tokens if l1_tokens else None, path="sparse" if sparse == world else "dense"))
+    return out
+
+
+def _local_stats(model=None) -> list[LayerStats]:
     from . import layers
     from .module_paths import unwrap
 
@@ -218,7 +253,7 @@ def stats(model=None) -> Stats:
                 dead_neurons=telemetry.dead_share(layer_id),
             )
         )
-    return Stats(out)
+    return out
 
 
 def _model_labels(models) -> dict[int, str]:

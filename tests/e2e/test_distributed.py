@@ -1,0 +1,174 @@
+"""DDP and FSDP2 with twell, on CPU with gloo, 2 processes: the same training as one process.
+
+``distributed_worker.py`` trains a tiny ReLU Llama for two SGD steps on each rank's half of the
+same global batch, on every route below, under ``torchrun --nproc_per_node 2``. The oracle is one
+process, eager, on the whole batch: ``loss + l1_coeff · mean over layers of (1/T) Σ|h|`` with T
+the global batch's tokens (docs/distributed.md, "The L1 term under data parallelism"). With the
+ranks' equal token counts, DDP's average of per-rank means is that mean. ``l1_coeff`` is large
+enough that dropping the term, or counting it per graph, moves the gradients far past the
+tolerances.
+
+Routes: DDP with ``patch()`` before and after wrapping; DDP compiled with ``backend="twell"``,
+with DDPOptimizer cutting 1 MiB buckets (inside the FFNs) and with ``optimize_ddp=False``;
+FSDP2 (``fully_shard`` per decoder layer and at the root) with ``patch()`` before and after
+sharding, compiled per layer, and compiled whole; and unmodified DDP and FSDP2 scripts under
+``TWELL=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ffn_models import assert_close, eager_loss
+
+transformers = pytest.importorskip("transformers")
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+_spec = importlib.util.spec_from_file_location("distributed_worker", WORKER)
+W = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(W)
+
+ROUTES = ["ddp-patch-before", "ddp-patch-after", "ddp-compile", "ddp-compile-no-optimize-ddp",
+          "fsdp-patch-before", "fsdp-patch-after", "fsdp-compile-per-layer", "fsdp-compile-whole"]
+UNMODIFIED = ["unmodified-ddp", "unmodified-fsdp"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(tmp_path: Path, routes: list[str], **env_extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TWELL")}
+    env.update(env_extra, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(WORKER), str(tmp_path), *routes]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return torch.load(tmp_path / "results.pt")
+
+
+def _oracle() -> tuple[list[float], list[dict]]:
+    """One process, eager, the whole global batch: losses and gradients of each step."""
+    model = W.build()
+    opt = torch.optim.SGD(model.parameters(), lr=W.LR)
+    mlps = [layer.mlp for layer in model.model.layers]
+    losses, grads = [], []
+    for step in range(W.STEPS):
+        ids = W.global_batch(step)
+        lm_losses = []
+
+        def lm_loss(out):
+            lm_losses.append(out.loss.detach())
+            return out.loss
+
+        loss = eager_loss(model, lambda: model(input_ids=ids, labels=ids), lm_loss, W.L1, modules=mlps,
+                          hidden_fn=lambda m, x: m.act_fn(m.gate_proj(x)) * m.up_proj(x))
+        loss.backward()
+        losses.append(float(lm_losses[0]))
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return _oracle()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _torchrun(tmp_path_factory.mktemp("routes"), ROUTES)
+
+
+@pytest.fixture(scope="module")
+def unmodified(tmp_path_factory):
+    # One process per script: TWELL=1 patches the first model a process calls.
+    return {route: _torchrun(tmp_path_factory.mktemp(route), [route], TWELL="1", TWELL_L1=str(W.L1), TWELL_QUIET="1")[route]
+            for route in UNMODIFIED}
+
+
+def _check(result: dict, oracle, route: str) -> None:
+    losses, grads = oracle
+    assert result["losses"] == pytest.approx(losses, rel=1e-5), route
+    for step, (got, want) in enumerate(zip(result["grads"], grads)):
+        assert set(got) == set(want), f"{route}: parameters with gradients differ"
+        for name, g in got.items():
+            w = want[name]
+            assert_close(g, w, rtol=1e-4, atol=1e-5 * (1 + float(w.abs().max())), name=f"{route} step {step} {name}")
+    assert result["layers"] == ["model.layers.0.mlp", "model.layers.1.mlp"], result["layers"]
+    assert result["reduced_tokens"] == [2 * t for t in result["local_tokens"]]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_two_ranks_train_as_one_process(results, oracle, route):
+    _check(results[route], oracle, route)
+
+
+@pytest.mark.parametrize("route", UNMODIFIED)
+def test_twell_1_with_an_unmodified_distributed_script(unmodified, oracle, route):
+    _check(unmodified[route], oracle, route)
+
+
+TRAINER_SCRIPT = '''
+import json, os, sys, torch
+from torch.utils.data import SequentialSampler
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+
+class InOrder(Trainer):  # the same global batches on 1 and on 2 processes
+    def _get_train_sampler(self, *args, **kwargs):
+        return SequentialSampler(self.train_dataset)
+
+
+per_device, out = int(sys.argv[1]), sys.argv[2]
+g = torch.Generator().manual_seed(5)
+examples = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (24, 10), generator=g).tolist()]
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_act="relu", hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=4, vocab_size=96,
+                                     max_position_embeddings=32))
+args = TrainingArguments(output_dir=out, max_steps=3, per_device_train_batch_size=per_device, learning_rate=5e-3,
+                         logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                         dataloader_drop_last=True)
+trainer = InOrder(model=model, args=args, train_dataset=examples)
+trainer.train()
+import twell_compile
+if int(os.environ.get("RANK", "0")) == 0:
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    json.dump({"losses": losses, "rewritten": len(twell_compile.report().rewritten)}, open(os.path.join(out, "trainer.json"), "w"))
+'''
+
+
+def test_hf_trainer_on_two_processes_trains_as_one(tmp_path):
+    """TWELL=1 with an unmodified Trainer script: two ranks of 2 sequences each log the losses of
+    one process of 4 (the same global batches, the L1 term on)."""
+    import json
+
+    script = tmp_path / "trainer_script.py"
+    script.write_text(TRAINER_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TWELL")}
+    env.update(TWELL="1", TWELL_L1="0.05", TWELL_QUIET="1", OMP_NUM_THREADS="1")
+    runs = {}
+    for name, cmd in {
+        "one": [sys.executable, str(script), "4", str(tmp_path / "one")],
+        "two": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(_free_port()), str(script), "2", str(tmp_path / "two")],
+    }.items():
+        (tmp_path / name).mkdir()
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"{name}:\n{proc.stderr[-5000:]}"
+        runs[name] = json.loads((tmp_path / name / "trainer.json").read_text())
+    assert runs["one"]["rewritten"] == runs["two"]["rewritten"] == 2
+    assert len(runs["one"]["losses"]) == 3
+    assert runs["two"]["losses"] == pytest.approx(runs["one"]["losses"], rel=1e-5)
