@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from twell_compile.kernels import TwellPacked, reference
+from twell_compile.kernels import DEFAULT_LAYOUT, TwellPacked, reference
 
 from . import cuda_graphs, dispatch_policy, telemetry
 from .capture import prepare_capture
@@ -78,7 +78,8 @@ def _record_fired(layer: int, res, saved, sparse: bool, tokens: int, hidden: int
     """The neurons that fired in a sampled training call: from the TwELL slots on the sparse path,
     from ``relu(gate)`` (the first activation the dense path keeps) on the dense one."""
     if sparse:
-        fired = telemetry.fired_from_packed(res.packed.idx, res.packed.stored_mask(), hidden)
+        fired = telemetry.fired_from_packed(res.packed.idx, res.packed.count, DEFAULT_LAYOUT.slots, DEFAULT_LAYOUT.tile_n,
+                                            hidden)
     elif saved is not None:
         fired = (saved[0] > 0).any(dim=0)
     else:

@@ -110,11 +110,16 @@ def record_fired(layer: int, fired: torch.Tensor, tokens: int) -> None:
     torch.where(fired, seen, last, out=last)
 
 
-def fired_from_packed(idx: torch.Tensor, stored: torch.Tensor, hidden: int) -> torch.Tensor:
-    """bool ``[H]``: the neurons a TwELL buffer stores an entry of (``stored``: its stored mask)."""
+def fired_from_packed(idx: torch.Tensor, count: torch.Tensor, slots: int, tile_n: int, hidden: int) -> torch.Tensor:
+    """bool ``[H]``: the neurons a TwELL buffer stores an entry of. An overflowed tile row stores
+    only its first entries, so every neuron of a tile that overflowed in some row counts as fired:
+    dead neurons are never overcounted."""
+    slot = torch.arange(slots, device=idx.device)
+    stored = slot < count.clamp(max=slots).unsqueeze(-1)
     cols = torch.where(stored, idx.long(), hidden).reshape(-1)
-    fired = torch.zeros(hidden + 1, dtype=torch.bool, device=idx.device)
-    return fired.scatter_(0, cols, True)[:hidden]
+    fired = torch.zeros(hidden + 1, dtype=torch.bool, device=idx.device).scatter_(0, cols, True)[:hidden]
+    overflowed = (count > slots).any(dim=0)  # [n_tiles]
+    return fired | overflowed.repeat_interleave(tile_n)[:hidden]
 
 
 def dead_share(layer: int) -> Optional[float]:

@@ -90,6 +90,12 @@ def _patch_on_first_call(module, args):
     return None
 
 
+def patch_options(options: TwellOptions) -> dict:
+    """The options ``patch()`` takes, from the backend's."""
+    return dict(l1_coeff=options.l1_coeff, strict=options.strict, relu_gate=options.relu_gate,
+                target_density=options.target_density, l1_coeff_max=options.l1_coeff_max)
+
+
 def _rerun_patched(module, args) -> None:
     def rerun(mod, call_args, output):
         handle.remove()
@@ -103,7 +109,7 @@ def _patch_now(module) -> None:
     from .patch_ffn import patch
 
     _seen.update(module.modules())
-    result = patch(module, l1_coeff=_options.l1_coeff, strict=_options.strict, relu_gate=_options.relu_gate)
+    result = patch(module, **patch_options(_options))
     if result.rewritten:
         announce(result.rewritten, result.skipped)
         from .integrations import attach_to_running_trainer
@@ -150,13 +156,14 @@ def _looks_like_a_model(module) -> bool:
 
 
 def _warn_nothing_matched(module, skipped) -> None:
-    if module in _warned_roots or quiet():
+    if quiet() or skipped:
+        return  # patch() itself warned about the FFN-like patterns it found
+    if module in _warned_roots:
         return
     _warned_roots.add(module)
-    why = "; ".join(sorted({f"{s.reason.text}" for s in skipped})) or "it has no ReLU FFN module"
-    warnings.warn(f"twell: TWELL=1 patched no FFN of {type(module).__name__} ({why}). FFNs written inline are still "
-                  "rewritten if the model is compiled; twell_compile.report() lists what was found.", RuntimeWarning,
-                  stacklevel=3)
+    warnings.warn(f"twell: TWELL=1 patched no FFN of {type(module).__name__} (it has no ReLU FFN module). FFNs written "
+                  "inline are still rewritten if the model is compiled; twell_compile.report() lists what was found.",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _remove_hook() -> None:

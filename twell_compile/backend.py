@@ -68,8 +68,10 @@ def _patch_if_checkpointed(opts: TwellOptions) -> None:
     _checkpointed_models.add(model)
     from .patch_ffn import patch
 
+    from .activate import patch_options
+
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        patch(model, l1_coeff=opts.l1_coeff, strict=opts.strict, relu_gate=opts.relu_gate)
+        patch(model, **patch_options(opts))
 
 
 def uses_cuda_graphs(mode: Optional[str]) -> bool:

@@ -505,6 +505,11 @@ def write_outputs(rows: list[Row], out_dir: Path) -> list[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--train" in argv:  # a model trained from scratch: its own flags (bench_train.py)
+        from .bench_train import main as train_main
+
+        return train_main(argv)
     parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--m", type=int, nargs="+", default=[16384], help="token counts (default 16384)")
     parser.add_argument("--d", type=int, default=2048, help="model dimension D (default 2048)")
@@ -531,6 +536,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "with the rest: the gate GEMM alone (cuBLAS) and a bare gather of the weight rows the sparse "
                              "part reads; their sum is what the op would take with both parts at those rates")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.csv, the PNG plot, host.txt and tuned.txt")
+    parser.add_argument("--train", action="store_true",
+                        help="a model trained from scratch, twell against Inductor (its own flags: twell bench --train --help)")
     e2e = parser.add_argument_group("end to end (--e2e): a Hugging Face Llama, backend='twell' against 'inductor'")
     e2e.add_argument("--e2e", action="store_true", help="benchmark the whole model instead of one FFN block")
     e2e.add_argument("--layers", type=int, default=38, help="decoder layers (default 38, the paper's 2B model)")

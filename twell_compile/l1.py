@@ -68,6 +68,13 @@ def write_all(value) -> None:
     _generation += 1
 
 
+def changed() -> None:
+    """The live coefficients were written on the device (the density controller): forwards from
+    now on take a new snapshot."""
+    global _generation
+    _generation += 1
+
+
 def live_tensors() -> list[torch.Tensor]:
     return list(_live)
 

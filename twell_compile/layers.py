@@ -58,6 +58,7 @@ class Model:
     _ref: Optional[weakref.ref] = None
     layers: dict = field(default_factory=dict)  # identity -> Layer
     factors: dict = field(default_factory=dict)  # str(device) -> live 0-d float32 tensor
+    controller: Optional[object] = None  # density_control.DensityController, with target_density
 
     @property
     def module(self) -> Optional[nn.Module]:

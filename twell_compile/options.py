@@ -29,6 +29,11 @@ class TwellOptions:
         mode: the inner Inductor's compile mode, e.g. ``"reduce-overhead"`` (CUDA graphs).
             ``torch.compile`` takes ``mode`` or ``options`` but not both, so with other options
             pass it here: ``options={"mode": "reduce-overhead", "l1_coeff": 1e-5}``.
+        target_density: steer each layer's L1 coefficient, from ``l1_coeff``, so that the share of
+            active hidden units approaches this value (for example 0.005) while the model trains
+            (``density_control.py``); None (default): the coefficient stays ``l1_coeff``.
+        l1_coeff_max: the largest coefficient ``target_density`` may reach (default 100 ×
+            ``l1_coeff``): what the language-model loss may pay at most.
         relu_gate: rewrite SiLU- and GELU-gated FFNs (standard Llama, Mistral, Qwen, Gemma
             configurations) as ReLU-gated TwELL FFNs with the L1 term: the paper's recipe for a
             model trained from scratch. It changes the model's function, so it is off by default,
@@ -39,6 +44,8 @@ class TwellOptions:
     inner: str = "inductor"
     strict: bool = False
     mode: Optional[str] = None
+    target_density: Optional[float] = None
+    l1_coeff_max: Optional[float] = None
     relu_gate: bool = False
 
     def __post_init__(self) -> None:
@@ -47,6 +54,15 @@ class TwellOptions:
             raise ValueError(f"twell: options['inner'] = {self.inner!r} is not accepted; use one of {', '.join(INNER_COMPILERS)}")
         if not isinstance(self.strict, bool):
             raise ValueError(f"twell: options['strict'] = {self.strict!r} is not accepted; use True or False")
+        if self.target_density is not None:
+            t = self.target_density
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t < 1.0:
+                raise ValueError(f"twell: options['target_density'] = {t!r} is not accepted; expected a fraction in (0, 1), "
+                                 "e.g. 0.005 for 0.5% of the hidden units active")
+        if self.l1_coeff_max is not None:
+            check_l1(self.l1_coeff_max, "options['l1_coeff_max']")
+            if self.l1_coeff_max < self.l1_coeff:
+                raise ValueError(f"twell: options['l1_coeff_max'] = {self.l1_coeff_max!r} is below l1_coeff = {self.l1_coeff!r}")
         if not isinstance(self.relu_gate, bool):
             raise ValueError(f"twell: options['relu_gate'] = {self.relu_gate!r} is not accepted; use True or False")
         if self.mode is not None and self.mode not in COMPILE_MODES:
@@ -67,7 +83,8 @@ class TwellOptions:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "TwellOptions":
-        """Options from ``TWELL_L1``, ``TWELL_INNER``, ``TWELL_STRICT`` and ``TWELL_RELU_GATE`` (unset: default)."""
+        """Options from ``TWELL_L1``, ``TWELL_INNER``, ``TWELL_STRICT``, ``TWELL_TARGET_DENSITY``,
+        ``TWELL_L1_MAX`` and ``TWELL_RELU_GATE`` (unset: default); a bad value raises naming the variable."""
         env = os.environ if environ is None else environ
         kwargs: dict[str, Any] = {}
         if "TWELL_L1" in env:
@@ -88,9 +105,22 @@ class TwellOptions:
             kwargs["inner"] = inner
         if "TWELL_STRICT" in env:
             kwargs["strict"] = env_flag("TWELL_STRICT", env)
+        for var, key in (("TWELL_TARGET_DENSITY", "target_density"), ("TWELL_L1_MAX", "l1_coeff_max")):
+            if var in env:
+                try:
+                    kwargs[key] = float(env[var])
+                except ValueError:
+                    raise ValueError(f"twell: {var}={env[var]!r} is not a number") from None
         if "TWELL_RELU_GATE" in env:
             kwargs["relu_gate"] = env_flag("TWELL_RELU_GATE", env)
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except ValueError as exc:
+            names = {"target_density": "TWELL_TARGET_DENSITY", "l1_coeff_max": "TWELL_L1_MAX"}
+            message = str(exc)
+            for key, var in names.items():
+                message = message.replace(f"options['{key}'] = ", f"{var}=")
+            raise ValueError(message) from None
 
 
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from . import layers, lowering, loss_scaling_hooks, reporting
+from . import density_control, layers, lowering, loss_scaling_hooks, reporting
 from .l1 import forward_value
 from .match_ffn import FfnMatch, find_ffns
 from .module_paths import ModelIndex, calling_model, clean_path, display_name, unwrap
@@ -67,8 +67,8 @@ def patch(model: nn.Module, **options) -> PatchResult:
 
     Args:
         model: any module; FFN submodules are found by tracing, not by class name.
-        **options: ``l1_coeff`` and ``strict``, as for the backend (``inner`` and ``mode`` are
-            ignored).
+        **options: as for the backend (``l1_coeff``, ``target_density``, ``l1_coeff_max``,
+            ``relu_gate``, ``strict``; ``inner`` and ``mode`` are ignored).
 
     Returns:
         A ``PatchResult`` with the rewritten modules and the FFN-like ones left alone.
@@ -105,7 +105,7 @@ def patch(model: nn.Module, **options) -> PatchResult:
         details = "\n".join(f"  - {s}" for s in result.skipped)
         raise TwellRewriteError(f"twell (strict=True): {len(result.skipped)} FFN-like pattern(s) cannot be patched:\n{details}")
     for path, where, mod, roles in found:
-        state = FFNPatch(where, opts.l1_coeff, roles, mod.__dict__.get("forward"))
+        state = FFNPatch(where, opts, roles, mod.__dict__.get("forward"))
         device = next(mod.parameters()).device
         state.register(mod, root, path, device)
         mod.__dict__[STATE_ATTR] = state
@@ -114,6 +114,8 @@ def patch(model: nn.Module, **options) -> PatchResult:
         op = "twell::ffn / ffn_train (patched)" + (f", {kind.gate_activation} gate as ReLU" if kind.gate_activation != "ReLU" else "")
         result.rewritten.append(Rewritten(state.layer.id, where, kind.kind, kind.biases, _dtype_name(mod), op, "patch"))
     reporting.record(result.rewritten, result.skipped)
+    if result.skipped and not result.rewritten:
+        reporting.warn_unrewritten(type(root).__name__, id(root), result.skipped, "patch()")
     return result
 
 
@@ -301,9 +303,10 @@ class FFNPatch:
     """What a patched module keeps: its roles per training mode, and (rebuilt on first use, never
     copied or pickled) its layer and coefficient tensors."""
 
-    def __init__(self, where: str, l1_coeff: float, roles: dict, original_forward=None):
+    def __init__(self, where: str, options: TwellOptions, roles: dict, original_forward=None):
         self.where = where
-        self.l1_coeff = l1_coeff
+        self.options = options
+        self.l1_coeff = options.l1_coeff
         self.roles = roles  # {training flag: Roles or None}
         self.original_forward = original_forward
         self._reset_runtime()
@@ -343,6 +346,8 @@ class FFNPatch:
         name = display_name(model, identity) if isinstance(identity, str) else self.where
         roles = next(r for r in self.roles.values() if r is not None)
         self.layer = layers.register(model, identity, name, device, hidden=_hidden(module, roles), l1_coeff=self.l1_coeff)
+        opts = self.options
+        density_control.control(self.layer.model, opts.target_density, opts.l1_coeff, opts.l1_coeff_max)
         self.factors = {}
         self.coefficients = {}
         self._ensure_device(device)

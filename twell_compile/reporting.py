@@ -267,6 +267,28 @@ def _model_labels(models) -> dict[int, str]:
     return labels
 
 
+_warned: set = set()
+
+
+def warn_unrewritten(label: str, key, skipped: list[Skipped], context: str, stacklevel: int = 3) -> None:
+    """Once per ``key`` (a model and its reasons): twell was asked for, FFN-like patterns were found
+    and none was rewritten, so the L1 term is silently missing unless someone says so."""
+    import warnings
+
+    from .activate import quiet
+
+    if quiet():
+        return
+    reasons = sorted({s.reason for s in skipped}, key=lambda r: r.name)
+    key = (key, tuple(reasons))
+    if key in _warned:
+        return
+    _warned.add(key)
+    why = "; ".join(f"{r.text} ({sum(s.reason is r for s in skipped)} pattern(s))" for r in reasons)
+    warnings.warn(f"twell: no FFN of {label} has been rewritten ({context}): {why}. Its L1 term is not injected; "
+                  "twell_compile.report() lists the patterns.", RuntimeWarning, stacklevel=stacklevel)
+
+
 def name_pattern(names: list[str], limit: int = 3) -> str:
     """Layer names with their numbered parts folded: ``model.layers.*.mlp``."""
     patterns: list[str] = []

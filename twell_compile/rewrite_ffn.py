@@ -15,13 +15,12 @@ One orchestrating function, ``rewrite_ffns``, runs in this order:
 from __future__ import annotations
 
 import operator
-import warnings
 from typing import Optional
 
 import torch
 from torch import fx, nn
 
-from . import layers, lowering, loss_scaling_hooks, reporting
+from . import density_control, layers, lowering, loss_scaling_hooks, reporting
 from .lowering import mark_cuda_graph_layers
 from .match_ffn import FfnMatch, example_value, find_ffns, where
 from .module_paths import ModelIndex, calling_modules, display_name, real_tensor
@@ -107,24 +106,11 @@ class GraphOwner:
         return self.layer_of(m)[2]
 
 
-_warned: set = set()
-
-
 def _warn_nothing_rewritten(owner: GraphOwner, skipped: list[Skipped], graph_name: str) -> None:
-    """Once per model and reason: FFN-like patterns were found and none of the model's FFNs has
-    been rewritten (its L1 term would silently be missing)."""
-    model = layers.model_of(owner.model)
-    if model.layers:
-        return
-    reasons = sorted({s.reason for s in skipped}, key=lambda r: r.name)
-    key = (id(owner.model), tuple(reasons))
-    if key in _warned:
-        return
-    _warned.add(key)
+    if layers.model_of(owner.model).layers:
+        return  # some of the model's FFNs are rewritten: the skips are in the report
     label = type(owner.model).__name__ if owner.model is not None else "the compiled code"
-    why = "; ".join(f"{r.text} ({sum(s.reason is r for s in skipped)} pattern(s))" for r in reasons)
-    warnings.warn(f"twell: no FFN of {label} has been rewritten ({graph_name}): {why}. Its L1 term is not injected; "
-                  "twell_compile.report() lists the patterns.", RuntimeWarning, stacklevel=3)
+    reporting.warn_unrewritten(label, id(owner.model), skipped, graph_name, stacklevel=4)
 
 
 def _non_overlapping(matches: list[FfnMatch]) -> list[FfnMatch]:
@@ -148,6 +134,7 @@ def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, owner: 
     model, identity, name = owner.layer_of(m)
     hidden = example_value(m.up.weight).shape[0]
     layer = layers.register(model, identity, name, device, hidden=hidden, l1_coeff=options.l1_coeff)
+    density_control.control(layer.model, options.target_density, options.l1_coeff, options.l1_coeff_max)
     lowering.telemetry.ensure(layer.id, device)
     dtype = m.compute_dtype
     with graph.inserting_before(m.down.out):

@@ -1,0 +1,267 @@
+"""The paper's recipe as options: ``target_density`` (the coefficient steered to a density) and
+``relu_gate`` (SiLU/GELU gates trained as ReLU), and the telemetry a run watches.
+
+The conversion's oracle is eager autograd of the *ReLU-gated* model with the L1 term: with
+``relu_gate=True`` twell trains exactly that model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import twell_compile
+from twell_compile import SkipReason
+from twell_compile import density_control
+
+from tests.ffn_models import ResidualStack, assert_grads_close, eager_loss, reset_state
+
+D, H, L1 = 16, 40, 0.25
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    reset_state()
+    yield
+    reset_state()
+
+
+# ---------------------------------------------------------------------------------------------
+# target_density
+# ---------------------------------------------------------------------------------------------
+
+
+def _coefficients(model) -> list[float]:
+    return [s.l1_coeff for s in twell_compile.stats(model).layers]
+
+
+def _train(model, run, opt, steps, x):
+    for _ in range(steps):
+        run(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("route", ["compile", "patch"])
+def test_the_coefficient_climbs_while_the_density_is_above_target(route):
+    """A random ReLU FFN is ~50% dense: far above 0.5%, so every layer's coefficient grows by the
+    controller's largest step, once per optimizer step of this model."""
+    torch.manual_seed(0)
+    model = ResidualStack(D, H, n=2)
+    options = {"l1_coeff": 1e-4, "target_density": 0.005}
+    if route == "compile":
+        run = torch.compile(model, backend="twell", options={"inner": "aot_eager", **options})
+    else:
+        twell_compile.patch(model, **options)
+        run = model
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    other = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)  # another model's optimizer: no update
+    x = torch.randn(8, D)
+    _train(model, run, opt, 5, x)
+    other.step()
+    want = 1e-4 * math.exp(density_control.MAX_STEP) ** 5
+    assert _coefficients(model) == pytest.approx([want, want], rel=1e-4)
+    stats = twell_compile.stats(model)
+    assert all(s.target_density == 0.005 for s in stats.layers)
+    assert "target 0.50%" in str(stats)
+
+
+def test_the_coefficient_falls_below_target_and_stays_within_its_bounds():
+    """A layer made almost inactive (a large negative gate bias) is below any target: its
+    coefficient falls; and no coefficient passes l1_coeff_max."""
+    torch.manual_seed(0)
+    model = ResidualStack(D, H, n=2)
+    with torch.no_grad():
+        model.layers[0].gate.bias.fill_(-50.0)
+    twell_compile.patch(model, l1_coeff=1e-3, target_density=0.2, l1_coeff_max=1.05e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    _train(model, model, opt, 10, torch.randn(8, D))
+    low, high = _coefficients(model)
+    assert low == pytest.approx(1e-3 * math.exp(-density_control.MAX_STEP) ** 10, rel=1e-4)
+    assert high == pytest.approx(1.05e-3, rel=1e-6)  # ~50% dense, above 20%: climbs, and stops at the ceiling
+
+
+def test_steered_coefficients_reach_the_gradient():
+    """After the controller moved the coefficients, the next step's gradients are those of the
+    L1 term with the new, per-layer coefficients (a mean over the layers)."""
+    torch.manual_seed(0)
+    model = ResidualStack(D, H, n=2)
+    ref = copy.deepcopy(model)
+    twell_compile.patch(model, l1_coeff=1e-2, target_density=0.005)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(6, D)
+    _train(model, model, opt, 3, x)
+    coeffs = _coefficients(model)
+    model(x).square().mean().backward()
+    hiddens = [layer.hidden(h) for layer, h in zip(ref.layers, _inputs(ref, x))]
+    l1 = sum(c * h.abs().sum() / h.shape[0] for c, h in zip(coeffs, hiddens)) / len(hiddens)
+    (ref(x).square().mean() + l1).backward()
+    assert_grads_close(model, ref, rtol=1e-4, atol_frac=1e-5)
+
+
+def _inputs(model, x):
+    """The input of each residual layer of ``ResidualStack``."""
+    inputs = []
+    for layer in model.layers:
+        inputs.append(x)
+        x = x + layer(x)
+    return inputs
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 2])
+def test_target_density_must_be_a_fraction(bad):
+    with pytest.raises(ValueError, match="target_density"):
+        twell_compile.TwellOptions(target_density=bad)
+
+
+def test_target_density_from_the_environment():
+    opts = twell_compile.TwellOptions.from_env({"TWELL_TARGET_DENSITY": "0.005", "TWELL_L1_MAX": "1e-3"})
+    assert opts.target_density == 0.005 and opts.l1_coeff_max == 1e-3
+    with pytest.raises(ValueError, match="TWELL_TARGET_DENSITY"):
+        twell_compile.TwellOptions.from_env({"TWELL_TARGET_DENSITY": "5"})
+
+
+def test_the_default_keeps_a_fixed_coefficient():
+    torch.manual_seed(0)
+    model = ResidualStack(D, H, n=2)
+    twell_compile.patch(model, l1_coeff=1e-3)
+    _train(model, model, torch.optim.SGD(model.parameters(), lr=0.0), 4, torch.randn(8, D))
+    assert _coefficients(model) == pytest.approx([1e-3, 1e-3])
+    assert all(s.target_density is None for s in twell_compile.stats(model).layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# relu_gate
+# ---------------------------------------------------------------------------------------------
+
+
+class GatedAct(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(D, H), nn.Linear(D, H), nn.Linear(H, D)
+        self.act = act
+
+    def hidden(self, x):
+        return self.act(self.gate(x)) * self.up(x)
+
+    def forward(self, x):
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+ACTIVATIONS = {"SiLU": nn.SiLU(), "GELU": nn.GELU(), "GELU tanh": nn.GELU(approximate="tanh")}
+
+
+@pytest.mark.parametrize("route", ["compile", "patch"])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_relu_gate_trains_the_relu_gated_model(act, route):
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedAct(copy.deepcopy(ACTIVATIONS[act])), GatedAct(copy.deepcopy(ACTIVATIONS[act])))
+    relu_model = copy.deepcopy(model)
+    for m in relu_model:
+        m.act = nn.ReLU()
+    x = torch.randn(5, D)
+    if route == "compile":
+        run = torch.compile(model, backend="twell", options={"inner": "aot_eager", "l1_coeff": L1, "relu_gate": True})
+    else:
+        twell_compile.patch(model, l1_coeff=L1, relu_gate=True)
+        run = model
+    run(x).square().mean().backward()
+    eager_loss(relu_model, lambda: relu_model(x), lambda o: o.square().mean(), L1, modules=list(relu_model)).backward()
+    assert_grads_close(model, relu_model, rtol=1e-4, atol_frac=1e-5)
+    converted = twell_compile.report().rewritten
+    assert len(converted) == 2 and all("gate as ReLU" in r.op for r in converted), str(twell_compile.report())
+    assert act.split()[0] in converted[0].op
+
+
+@pytest.mark.parametrize("route", ["compile", "patch"])
+def test_without_relu_gate_a_silu_ffn_is_left_alone_and_reported(route):
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedAct(nn.SiLU()))
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, D)
+    with pytest.warns(RuntimeWarning, match="relu_gate=True"):
+        if route == "compile":
+            out = torch.compile(model, backend="twell", options={"inner": "aot_eager"})(x)
+        else:
+            twell_compile.patch(model)
+            out = model(x)
+    torch.testing.assert_close(out, ref(x))
+    report = twell_compile.report()
+    assert not report.rewritten
+    assert [s.reason for s in report.skipped] == [SkipReason.NOT_RELU]
+    assert "relu_gate=True" in str(report) and "TWELL_RELU_GATE=1" in str(report)
+
+
+def test_silu_elsewhere_is_not_ffn_like():
+    """A SiLU that is not an FFN's gate (here: on the block's output) is neither rewritten nor reported."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(D, D)
+
+        def forward(self, x):
+            return F.silu(self.proj(x)) + x
+
+    torch.compile(Block(), backend="twell", options={"inner": "aot_eager"})(torch.randn(3, D))
+    report = twell_compile.report()
+    assert not report.rewritten and not report.skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# Telemetry
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dead_neurons_are_counted_over_a_window_of_tokens(monkeypatch):
+    """Neurons that never fire in the window are dead. The gate is its bias alone, so every token
+    fires the same 10 neurons of each 128-column tile (no tile overflows): 236 of 256 are dead."""
+    from twell_compile.lowering import telemetry
+
+    monkeypatch.setattr(telemetry, "DEAD_WINDOW_TOKENS", 64)
+    model = nn.Sequential(GatedAct(nn.ReLU()))
+    hidden = 256
+    model[0].gate, model[0].up, model[0].down = nn.Linear(D, hidden), nn.Linear(D, hidden), nn.Linear(hidden, D)
+    with torch.no_grad():
+        model[0].gate.weight.zero_()
+        model[0].gate.bias.fill_(-1.0)
+        model[0].gate.bias[0:10] = 1.0
+        model[0].gate.bias[128:138] = 1.0
+    twell_compile.patch(model, l1_coeff=L1)
+    x = torch.randn(40, D)
+    model(x).sum().backward()
+    assert twell_compile.stats().layers[0].dead_neurons is None  # 40 tokens sampled: the window is not full yet
+    model(x).sum().backward()
+    model(x).sum().backward()
+    assert twell_compile.stats().layers[0].dead_neurons == pytest.approx(236 / 256)
+
+
+def test_the_trainer_callback_logs_telemetry_and_sets_the_accumulation_scale():
+    pytest.importorskip("transformers")
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from twell_compile.integrations import TwellCallback, telemetry_logs
+
+    torch.manual_seed(0)
+    model = ResidualStack(D, H, n=2)
+    twell_compile.patch(model, l1_coeff=L1)
+    model(torch.randn(4, D)).sum().backward()
+    callback = TwellCallback()
+    args = TrainingArguments(output_dir="unused", gradient_accumulation_steps=4, report_to=[], use_cpu=True)
+    state, control = TrainerState(), TrainerControl()
+    callback.on_step_begin(args, state, control)
+    assert twell_compile.get_loss_scale() == 0.25
+    logs = {"loss": 1.0}
+    state.log_history.append(dict(logs))
+    callback.on_log(args, state, control, logs=logs, model=model)
+    for key in ("twell/density", "twell/l0", "twell/l1", "twell/l1_coeff", "twell/dense_rows", "twell/sparse_layers"):
+        assert key in logs and key in state.log_history[-1], logs
+    assert logs["twell/l1_coeff"] == pytest.approx(L1)
+    assert set(telemetry_logs(model)) == {k for k in logs if k.startswith("twell/")}
+    callback.on_train_end(args, state, control)
+    assert twell_compile.get_loss_scale() == 1.0

@@ -1,0 +1,146 @@
+"""``target_density``: steer each layer's L1 coefficient to a density instead of fixing it.
+
+How much sparsity a coefficient buys depends on the model's width, depth and the run (docs/
+usage.md, "Training with the recipe"): 2e-5 makes the paper's 2048/5632 FFNs ~1% dense, and a
+768/2048 model barely sparse. With ``target_density=d`` the user names the density and a
+controller finds the coefficient, per layer, while the model trains.
+
+After every optimizer step (a global ``torch.optim`` step post-hook), for each layer ``l`` of a
+controlled model, on the device and with no host sync:
+
+* the density ``ρ_l`` of the layer's last call is read from its telemetry buffer (active entries
+  over tokens·H, which the ops' own kernels store), and smoothed: ``ρ̄ ← ρ̄ + β (ρ − ρ̄)``;
+* the coefficient moves in log space by the log-ratio to the target, clipped:
+  ``c_l ← clamp(c_l · exp(clamp(γ · log(ρ̄_l / d), −r, r)), c_min, c_max)``.
+
+Per layer, because layers differ by 10× in density at one coefficient (0.24–2.4% in one 6-layer
+run), and a layer's path (sparse or dense) follows its own density: one coefficient for the model
+would leave the densest layers on the dense path. The model's L1 term keeps its definition (a mean
+over layers, each layer's term with its own coefficient).
+
+Safety: from a dense start (a fresh ReLU model is ~50% dense) the coefficient can grow by at most
+``exp(r)`` a step (2%: ×7 in 100 steps, ×50 in 200), so it climbs while the density falls and
+does not overshoot into dead neurons; it never exceeds ``l1_coeff_max`` (default 100× the start,
+``l1_coeff``), which bounds what the language-model loss can pay.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+# Controller constants (per optimizer step).
+GAIN = 0.05  # γ: log-coefficient change per unit log density error
+MAX_STEP = 0.02  # r: at most 2% a step, up or down
+SMOOTHING = 0.2  # β: the density's moving average
+MIN_COEFF = 1e-9  # c_min: a coefficient that reached 0 could never grow back multiplicatively
+
+_lock = threading.Lock()
+_controllers: "weakref.WeakSet[DensityController]" = weakref.WeakSet()
+_hook = None
+
+
+class DensityController:
+    """One model's coefficient steering (``layers.Model.controller``)."""
+
+    def __init__(self, target: float, max_coeff: float):
+        self.target = target
+        self.max_coeff = max_coeff
+        self._state: dict[str, tuple] = {}  # str(device) -> (coefficients, buffers, hidden, smoothed)
+        self._optimizers: dict[int, tuple] = {}  # id(optimizer) -> (weak reference, whether it trains the model)
+        self._model_ref = None
+        with _lock:
+            _controllers.add(self)
+            _install_hook()
+
+    def attach(self, model) -> None:
+        self._model_ref = weakref.ref(model)
+        self._state.clear()
+
+    def trains(self, optimizer) -> bool:
+        """Whether ``optimizer`` updates this model (one update per step of the model's own
+        optimizer, not of every optimizer in the process)."""
+        key = id(optimizer)
+        known = self._optimizers.get(key)
+        if known is None or known[0]() is not optimizer:
+            model = self._model_ref() if self._model_ref is not None else None
+            module = model.module if model is not None else None
+            if module is None:
+                return True  # layers of no known module: every optimizer step updates them
+            ids = {id(p) for p in module.parameters()}
+            owns = any(id(p) in ids for group in optimizer.param_groups for p in group["params"][:1])
+            known = self._optimizers[key] = (weakref.ref(optimizer), owns)
+        return known[1]
+
+    def step(self) -> None:
+        """One update of every layer's coefficient, on the device (no host sync)."""
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None:
+            return
+        from . import l1
+
+        for key, (coeffs, buffers, hidden, smoothed) in self._tensors(model).items():
+            with torch.no_grad():
+                record = torch.stack(buffers)  # [n, FIELDS]: calls, tokens, active, ...
+                tokens = record[:, 1].clamp(min=1.0)
+                density = (record[:, 2] / (tokens * hidden)).float()
+                seen = record[:, 0] > 0
+                moved = torch.where(smoothed.isnan(), density, smoothed + SMOOTHING * (density - smoothed))
+                smoothed.data.copy_(torch.where(seen, moved, smoothed))  # the first reading starts the average
+                error = torch.log(smoothed.nan_to_num(self.target).clamp(min=1e-7) / self.target)
+                change = torch.exp((GAIN * error).clamp(-MAX_STEP, MAX_STEP))
+                current = torch.stack(coeffs)
+                new = torch.where(seen, (current * change).clamp(MIN_COEFF, self.max_coeff), current)
+                torch._foreach_copy_([c.data for c in coeffs], list(new.unbind()))
+        l1.changed()
+
+    def _tensors(self, model) -> dict:
+        """Per device: the layers' live coefficients and telemetry buffers, gathered once (again
+        when the model gains a layer or a device)."""
+        from .lowering import telemetry
+
+        layers = list(model.layers.values())
+        devices = {key for layer in layers for key in layer.coefficients}
+        if {k: len(v[0]) for k, v in self._state.items()} != {k: len(layers) for k in devices}:
+            self._state.clear()
+            for key in devices:
+                present = [layer for layer in layers if key in layer.coefficients]
+                coeffs = [layer.coefficient(key) for layer in present]
+                buffers = [telemetry.buffer(layer.id, key) for layer in present]
+                hidden = torch.tensor([float(layer.hidden) for layer in present], dtype=torch.float64, device=key)
+                smoothed = torch.full((len(present),), float("nan"), dtype=torch.float32, device=key)
+                self._state[key] = (coeffs, buffers, hidden, smoothed)
+        return self._state
+
+
+def control(model, target: Optional[float], l1_coeff: float, max_coeff: Optional[float]) -> None:
+    """Give ``model`` (a ``layers.Model``) a controller for ``target`` (None: fixed coefficients)."""
+    if target is None:
+        return
+    ceiling = max_coeff if max_coeff is not None else 100.0 * max(l1_coeff, 2e-5)
+    existing = getattr(model, "controller", None)
+    if existing is not None and existing.target == target and existing.max_coeff == ceiling:
+        return
+    controller = DensityController(target, ceiling)
+    controller.attach(model)
+    model.controller = controller
+
+
+def step_all(optimizer=None) -> None:
+    """Update every controlled model once (with ``optimizer``: the models it trains): what the
+    optimizer-step hook runs. Call it yourself after each step of a training loop that does not
+    use ``torch.optim``."""
+    for controller in list(_controllers):
+        if optimizer is None or controller.trains(optimizer):
+            controller.step()
+
+
+def _install_hook() -> None:
+    global _hook
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: step_all(optimizer))
