@@ -7,6 +7,8 @@ one ``twell_compile`` uses:
 * the ops ``ffn``, ``ffn_train``, ``ffn_bwd``, and their counters (``telemetry``);
 * ``mark_cuda_graph_layers``: layers the backend compiles to run under CUDA graphs;
 * ``force_path("sparse" | "dense")``: a context manager forcing the CUDA path of every call in it;
+* ``prefers_sparse`` and ``watch_counters``: a layer's measured preference, and its counters'
+  copy for layers that ran compiled dense code (the backend's graph variants);
 * for ``twell bench``: the TwELL layout (``DEFAULT_LAYOUT``, ``TILE_N``), the floors
   (``gather_floor``, ``active_pairs``) and the autotuner's choices (``tuned_configs``).
 """
@@ -15,7 +17,7 @@ from twell_compile.kernels import DEFAULT_LAYOUT, TILE_N
 
 from . import telemetry
 from .cuda_graphs import mark_cuda_graph_layers
-from .dispatch_policy import force_path
+from .dispatch_policy import force_path, prefers_sparse, watch_counters
 from .ffn import ffn
 from .ffn_bwd import ffn_bwd
 from .ffn_train import ffn_train
@@ -31,6 +33,8 @@ __all__ = [
     "force_path",
     "gather_floor",
     "mark_cuda_graph_layers",
+    "prefers_sparse",
     "telemetry",
     "tuned_configs",
+    "watch_counters",
 ]

@@ -65,6 +65,7 @@ class LayerPolicy:
         self.dense_row_fraction = 1.0
         self.measured = False  # whether counters have arrived yet
         self.calls = 0
+        self.tokens = 0  # of the last measured call
 
     def refresh(self) -> None:
         """Take the last counters copy in, if it has completed (no sync)."""
@@ -73,6 +74,7 @@ class LayerPolicy:
             tokens = max(1.0, v["tokens"])
             self.density = v["active"] / tokens / max(1.0, self.hidden)
             self.dense_row_fraction = v["dense_rows"] / tokens
+            self.tokens = int(tokens)
             self.event = None
             self.measured = True
 
@@ -168,6 +170,27 @@ def takes_sparse(policy: LayerPolicy, tokens: int, signature: tuple, training: b
         policy.refresh()
         return False
     return policy.choose_captured(training, tokens)
+
+
+def prefers_sparse(layer: int, device: torch.device, training: bool, cuda_graphs: bool) -> bool:
+    """Whether the layer's last measured call favours the sparse path (by density and dense rows,
+    and in CUDA graphs by its token count, as a capture would decide), with no host sync and no
+    side effect on the op's own choices; False before its first counters arrive. The caller
+    (twell_compile's graph variants) measures whether the sparse path's host time pays."""
+    policy = layer_policy(layer, device, create=False)
+    if policy is None:
+        return False
+    if cuda_graphs:
+        return policy.measured and policy.choose_captured(training, policy.tokens)
+    return policy.measured and policy.choose(training)
+
+
+def watch_counters(layer: int, device: torch.device, hidden: int) -> None:
+    """Start copying the layer's counters to the host, as an op call does, for a layer whose call
+    ran no op (it ran dense code compiled by Inductor, which writes the same counters). CUDA only,
+    as the policies are."""
+    if device.type == "cuda":
+        layer_policy(layer, device).after(telemetry.buffer(layer, device), hidden)
 
 
 # ---------------------------------------------------------------------------------------------

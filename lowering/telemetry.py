@@ -96,16 +96,22 @@ DEAD_WINDOW_TOKENS = 1 << 18
 _fired: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def fired_state(layer: int, device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's dead-neuron state (float64 ``[H]`` last firing, float64 0-d tokens sampled),
+    made now, for compiled code that updates it itself."""
+    key = (layer, str(torch.device(device)))
+    state = _fired.get(key)
+    if state is None or state[0].numel() != hidden:
+        with _lock, torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.inference_mode(False):
+            state = _fired[key] = (torch.zeros(hidden, dtype=torch.float64, device=device),
+                                   torch.zeros((), dtype=torch.float64, device=device))
+    return state
+
+
 def record_fired(layer: int, fired: torch.Tensor, tokens: int) -> None:
     """Record which of the layer's neurons fired (bool ``[H]``) in a sampled call of ``tokens``
     tokens: two small device ops, no host sync (CUDA graphs replay them)."""
-    key = (layer, str(fired.device))
-    state = _fired.get(key)
-    if state is None or state[0].numel() != fired.numel():
-        with _lock, torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.inference_mode(False):
-            state = _fired[key] = (torch.zeros(fired.numel(), dtype=torch.float64, device=fired.device),
-                                   torch.zeros((), dtype=torch.float64, device=fired.device))
-    last, seen = state
+    last, seen = fired_state(layer, fired.device, fired.numel())
     seen.add_(float(tokens))
     torch.where(fired, seen, last, out=last)
 

@@ -544,6 +544,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     e2e.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     e2e.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     e2e.add_argument("--iters", type=int, default=10, help="timed steps per point (default 10)")
+    e2e.add_argument("--warmup", type=int, default=40,
+                     help="steps before the timed ones (default 40: twell's graph variants measure and settle)")
     e2e.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                      help="torch.compile mode of both backends (default: default; reduce-overhead: CUDA graphs)")
     e2e.add_argument("--lr", type=float, default=0.0,
@@ -616,7 +618,7 @@ def _main_e2e(args) -> int:
     t0 = time.time()
     csv_path = args.out / "e2e.csv"
     rows = run(args.densities, layers=args.layers, batch=args.batch, seq=args.seq, modes=tuple(args.modes),
-               iters=args.iters, lr=args.lr, compile_mode=args.compile_mode, log=lambda line: print(line, flush=True),
+               iters=args.iters, warmup=args.warmup, lr=args.lr, compile_mode=args.compile_mode, log=lambda line: print(line, flush=True),
                on_point=lambda so_far: write_csv(so_far, csv_path))  # saved per density: a run takes minutes
     print(f"\ntwell bench --e2e on {torch.cuda.get_device_name()} (torch {torch.__version__}), compile mode "
           f"{args.compile_mode}; {time.time() - t0:.0f} s")

@@ -108,7 +108,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: int,
+def tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: int,
                   log: Callable[[str], None] = print, label: str = "") -> float:
     """Tokens per second of the median step, each step timed alone (synchronised at both ends).
 
@@ -134,6 +134,17 @@ def _tokens_per_s(step: Callable[[], object], tokens: int, warmup: int, iters: i
     return tokens / median
 
 
+def _variant_note() -> str:
+    """Which of twell's graph variants ran (variants.py), and the step times it measured."""
+    from . import variants
+
+    notes = []
+    for c in variants.coordinators():
+        measured = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(c.periods.items()))
+        notes.append(f"{c.current} variant" + (f" (measured {measured})" if measured else ""))
+    return f"  [{'; '.join(notes)}]" if notes else ""
+
+
 def _check_compile_mode(compile_mode: str) -> None:
     from .options import COMPILE_MODES
 
@@ -141,7 +152,12 @@ def _check_compile_mode(compile_mode: str) -> None:
         raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
 
 
-def run_point(base, density: float, *, batch: int, seq: int, modes=("inference", "training"), warmup: int = 3,
+# Warm-up steps before the timed ones: enough for twell's graph variants to measure both and settle
+# (variants.py: 2 x (3 + 8) steps once the layers' density is known).
+WARMUP_STEPS = 40
+
+
+def run_point(base, density: float, *, batch: int, seq: int, modes=("inference", "training"), warmup: int = WARMUP_STEPS,
               iters: int = 10, baseline: str = "inductor", l1_coeff: float = 2e-5, lr: float = 0.0, device: str = "cuda",
               compile_mode: str = "default", log: Callable[[str], None] = print) -> list[E2ERow]:
     """Calibrate ``base`` (in place) for ``density`` and time both backends on it, both compiled in
@@ -194,8 +210,8 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-            speeds[backend] = _tokens_per_s(step, n_tokens, warmup, iters, log, f"{mode} {backend}")
-            log(f"  {mode:<9} {backend:<8} {speeds[backend]:,.0f} tokens/s")
+            speeds[backend] = tokens_per_s(step, n_tokens, warmup, iters, log, f"{mode} {backend}")
+            log(f"  {mode:<9} {backend:<8} {speeds[backend]:,.0f} tokens/s" + (_variant_note() if backend == "twell" else ""))
             if backend == "twell":
                 stats = twell_compile.stats()
                 hidden = base.config.intermediate_size
@@ -212,7 +228,7 @@ def run_point(base, density: float, *, batch: int, seq: int, modes=("inference",
 
 
 def run(densities, *, layers: int = 38, batch: int = 8, seq: int = 2048, modes=("inference", "training"),
-        warmup: int = 3, iters: int = 10, lr: float = 0.0, device: str = "cuda", dtype=torch.bfloat16,
+        warmup: int = WARMUP_STEPS, iters: int = 10, lr: float = 0.0, device: str = "cuda", dtype=torch.bfloat16,
         config_overrides: Optional[dict] = None, baseline: str = "inductor", compile_mode: str = "default",
         log: Callable[[str], None] = print, on_point: Optional[Callable[[list[E2ERow]], None]] = None) -> list[E2ERow]:
     """The end-to-end benchmark over ``densities`` on one model (rebuilt per density).

@@ -39,7 +39,7 @@ def install() -> None:
         if found is not None:
             from .backend import prepare_graph
 
-            prepare_graph(gm, *found)
+            prepare_graph(gm, *found)  # the pieces are compiled without a dense variant
         return original(self, gm, example_inputs, **compiler_configs)
 
     setattr(compile_fn, _WRAPPED, True)

@@ -38,6 +38,10 @@ class TwellOptions:
             configurations) as ReLU-gated TwELL FFNs with the L1 term: the paper's recipe for a
             model trained from scratch. It changes the model's function, so it is off by default,
             and such FFNs are then reported as skipped, naming this option.
+        dense_variant: on a GPU, also compile each graph with its FFNs as the model wrote them
+            (Inductor's code, with the L1 term), run while that is measured to be faster, as it is
+            while the layers are dense (``variants.py``). Twice the compile time; False: only
+            the TwELL ops.
     """
 
     l1_coeff: float = 2e-5
@@ -47,6 +51,7 @@ class TwellOptions:
     target_density: Optional[float] = None
     l1_coeff_max: Optional[float] = None
     relu_gate: bool = False
+    dense_variant: bool = True
 
     def __post_init__(self) -> None:
         check_l1(self.l1_coeff, "options['l1_coeff']")
@@ -63,6 +68,8 @@ class TwellOptions:
             check_l1(self.l1_coeff_max, "options['l1_coeff_max']")
             if self.l1_coeff_max < self.l1_coeff:
                 raise ValueError(f"twell: options['l1_coeff_max'] = {self.l1_coeff_max!r} is below l1_coeff = {self.l1_coeff!r}")
+        if not isinstance(self.dense_variant, bool):
+            raise ValueError(f"twell: options['dense_variant'] = {self.dense_variant!r} is not accepted; use True or False")
         if not isinstance(self.relu_gate, bool):
             raise ValueError(f"twell: options['relu_gate'] = {self.relu_gate!r} is not accepted; use True or False")
         if self.mode is not None and self.mode not in COMPILE_MODES:
@@ -111,6 +118,8 @@ class TwellOptions:
                     kwargs[key] = float(env[var])
                 except ValueError:
                     raise ValueError(f"twell: {var}={env[var]!r} is not a number") from None
+        if "TWELL_DENSE_VARIANT" in env:
+            kwargs["dense_variant"] = env_flag("TWELL_DENSE_VARIANT", env)
         if "TWELL_RELU_GATE" in env:
             kwargs["relu_gate"] = env_flag("TWELL_RELU_GATE", env)
         try:

@@ -104,7 +104,7 @@ def report() -> Report:
 def reset() -> None:
     """Forget the report, the layers' run-time counters and any ``set_l1_coeff`` value that
     layers rewritten from now on would start from (live layers keep their current value)."""
-    from . import layers
+    from . import layers, variants
     from .l1 import clear_l1_override
 
     with _lock:
@@ -113,6 +113,7 @@ def reset() -> None:
         _current.graphs = 0
     telemetry.reset()
     layers.reset()
+    variants.reset()
     clear_l1_override()
 
 

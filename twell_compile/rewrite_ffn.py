@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import fx, nn
 
-from . import density_control, layers, lowering, loss_scaling_hooks, reporting
+from . import density_control, layers, lowering, loss_scaling_hooks, native_ffn, reporting
 from .lowering import mark_cuda_graph_layers
 from .match_ffn import FfnMatch, example_value, find_ffns, where
 from .module_paths import ModelIndex, calling_modules, display_name, real_tensor
@@ -39,20 +39,12 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
     ``cuda_graphs``: the inner compiler runs this graph under CUDA graphs (cudagraph trees), whose
     memory rules the ops then follow (``lowering.mark_cuda_graph_layers``)."""
     loss_scaling_hooks.install()
-    matches, skipped = find_ffns(gm)
     owner = GraphOwner.of_calling_code()
-    skipped = [Skipped(owner.full(s.where), s.reason, s.detail, graph_name) for s in skipped]
-    kept = []
-    for m in matches:
-        if m.gate_activation != "ReLU" and not options.relu_gate:
-            skipped.append(Skipped(owner.name(m), SkipReason.NOT_RELU, m.gate_activation, graph_name))
-        else:
-            kept.append(m)
+    kept, skipped = select_ffns(gm, options, owner, graph_name)
     if options.strict and skipped:
         reporting.record([], skipped)
         details = "\n".join(f"  - {s}" for s in skipped)
         raise TwellRewriteError(f"twell (strict=True): {len(skipped)} FFN-like pattern(s) cannot be rewritten:\n{details}")
-    kept = _non_overlapping(kept)
     fake_mode = _fake_mode(gm)
     rewritten = []
     replaced: dict[fx.Node, fx.Node] = {}  # down-projection output → op output, for chained FFNs
@@ -67,6 +59,59 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
     if skipped and not rewritten:
         _warn_nothing_rewritten(owner, skipped, graph_name)
     return rewritten, skipped
+
+
+def select_ffns(gm: fx.GraphModule, options: TwellOptions, owner: "GraphOwner", graph_name: str = ""):
+    """The FFNs of ``gm`` to rewrite, in graph order, and the FFN-like patterns left alone."""
+    matches, found_skips = find_ffns(gm)
+    skipped = [Skipped(owner.full(s.where), s.reason, s.detail, graph_name) for s in found_skips]
+    kept = []
+    for m in matches:
+        if m.gate_activation != "ReLU" and not options.relu_gate:
+            skipped.append(Skipped(owner.name(m), SkipReason.NOT_RELU, m.gate_activation, graph_name))
+        else:
+            kept.append(m)
+    return _non_overlapping(kept), skipped
+
+
+def add_dense_counters(gm: fx.GraphModule, options: TwellOptions, rewritten: list[Rewritten]) -> bool:
+    """Make ``gm`` (a copy of a graph taken before ``rewrite_ffns`` rewrote it into ``rewritten``)
+    the dense variant: each FFN keeps its code, with the same layer's L1 term and counters
+    (``native_ffn``). False if its FFNs do not line up with ``rewritten``."""
+    kept, _ = select_ffns(gm, options, GraphOwner(None, None))
+    if len(kept) != len(rewritten):
+        return False
+    fake_mode = _fake_mode(gm)
+    for m, r in zip(kept, rewritten):
+        layer = layers.layer(r.layer)
+        device = example_value(m.x).device
+        coeff = factor = None
+        if m.training:
+            coeff = _coefficient_snapshot(gm, layer, device, fake_mode)
+            factor = _graph_tensor(gm, f"_twell_l1_factor_{layer.model.index}_{_device_tag(device)}",
+                                   layers.factor(layer.model, device), fake_mode)
+        native_ffn.rewrite_dense(gm, m, layer.id, coeff, factor, lambda name, t: _graph_tensor(gm, name, t, fake_mode),
+                                 fake_mode)
+    gm.graph.lint()
+    gm.recompile()
+    return True
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A second GraphModule over a copy of ``gm``'s graph (node meta shared, not deep-copied), with
+    the Dynamo attributes AOTAutograd reads."""
+    graph = fx.Graph()
+    nodes: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, nodes))
+    for old, new in nodes.items():
+        if hasattr(old, "_dynamo_source"):  # AOTAutograd reads each placeholder's Dynamo source
+            new._dynamo_source = old._dynamo_source
+    copy = fx.GraphModule(gm, graph)
+    copy.meta = dict(gm.meta)
+    sources = getattr(gm, "_param_name_to_source", None)
+    if isinstance(sources, dict):
+        copy._param_name_to_source = dict(sources)
+    return copy
 
 
 class GraphOwner:

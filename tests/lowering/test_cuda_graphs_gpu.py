@@ -197,7 +197,8 @@ def test_reduce_overhead_records_the_sparse_path_of_a_sparse_layer():
     # problem whose kernels are tuned.
     for attempt in ("cold kernels", "new layers, tuned kernels"):
         reset_state()
-        compiled = torch.compile(model, backend="twell", mode="reduce-overhead")
+        # The TwELL variant alone: what its capture records (the dense variant is variants.py's).
+        compiled = torch.compile(model, backend="twell", options={"mode": "reduce-overhead", "dense_variant": False})
         skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
         with torch.no_grad():
             for _ in range(4):  # warm-up (which measures the layer, tunes its kernels), recording, replays
@@ -212,7 +213,7 @@ def test_reduce_overhead_training_records_the_sparse_path_of_a_sparse_layer():
     reset_state()
     model, x = _sparse_ffn_model(1024, 2816)
     ref, _ = _sparse_ffn_model(1024, 2816)
-    compiled = torch.compile(model, backend="twell", mode="reduce-overhead")
+    compiled = torch.compile(model, backend="twell", options={"mode": "reduce-overhead", "dense_variant": False})
     weight = torch.randn(TOKENS, 1024, device="cuda")
     loss_fn = lambda out: (out.float() * weight).sum()  # noqa: E731
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]

@@ -106,7 +106,7 @@ def test_tokens_per_s_is_the_median_step_and_logs_stalls(monkeypatch):
     clock = iter([0.0, 0.1, 1.0, 1.1, 2.0, 3.0, 4.0, 4.1])  # starts and ends of 4 timed steps
     monkeypatch.setattr(bench_e2e.time, "perf_counter", lambda: next(clock))
     calls, lines = [], []
-    speed = bench_e2e._tokens_per_s(lambda: calls.append(1), tokens=1000, warmup=2, iters=4, log=lines.append,
+    speed = bench_e2e.tokens_per_s(lambda: calls.append(1), tokens=1000, warmup=2, iters=4, log=lines.append,
                                     label="training twell")
     assert len(calls) == 6
     assert speed == pytest.approx(1000 / 0.1)

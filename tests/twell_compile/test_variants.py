@@ -1,0 +1,109 @@
+"""The dense variant and the switch between variants (``variants.py``), on the CPU.
+
+On a GPU the backend compiles each graph twice: the model's own FFN code with the L1 term and
+twell's counters (the dense variant), and the TwELL ops. Here the dense variant is built on the
+CPU too (``backend.VARIANTS_ON_CPU``), and the layers' preference for the sparse path, which on
+a GPU comes from their measured density, is set by the test. Whatever variant runs, every step's
+gradients are the eager oracle's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import twell_compile
+from twell_compile import backend, variants
+
+from tests.ffn_models import ResidualStack, assert_grads_close, eager_loss, reset_state
+
+D, H, L1 = 16, 40, 0.25
+
+
+@pytest.fixture(autouse=True)
+def on_cpu(monkeypatch):
+    reset_state()
+    monkeypatch.setattr(backend, "VARIANTS_ON_CPU", True)
+    monkeypatch.setattr(variants, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(variants, "MEASURE_STEPS", 2)
+    monkeypatch.setattr(variants, "REMEASURE_STEPS", 4)
+    yield
+    reset_state()
+
+
+def _model():
+    torch.manual_seed(0)
+    return ResidualStack(D, H, n=3, kinds=("gated", "plain"))
+
+
+def _step(model, run, ref, x):
+    model.zero_grad()
+    ref.zero_grad()
+    run(x).square().mean().backward()
+    eager_loss(ref, lambda: ref(x), lambda o: o.square().mean(), L1).backward()
+    assert_grads_close(model, ref, rtol=1e-4, atol_frac=1e-5)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_the_dense_variant_is_exact_and_writes_the_counters(inner):
+    model = _model()
+    ref = copy.deepcopy(model)
+    run = torch.compile(model, backend="twell", options={"inner": inner, "l1_coeff": L1})
+    x = torch.randn(2, 5, D)
+    _step(model, run, ref, x)
+    (coordinator,) = variants.coordinators()
+    assert coordinator.current == "dense"
+    stats = twell_compile.stats()
+    assert [s.where for s in stats.layers] == ["layers.0", "layers.1", "layers.2"]
+    assert all(s.path == "dense" and s.calls == 1 and s.tokens == 10 for s in stats.layers)
+    hiddens = []
+    handles = [m.register_forward_hook(lambda mod, a, out: hiddens.append(mod.hidden(a[0]))) for m in ref.layers]
+    with torch.no_grad():
+        ref(x)
+    for h in handles:
+        h.remove()
+    for s, h in zip(stats.layers, hiddens):
+        assert s.l1 == pytest.approx(float(h.abs().sum() / 10), rel=1e-5)
+        assert s.l0 == pytest.approx(float((h != 0).sum() / 10))
+
+
+def test_a_sparse_model_is_measured_and_every_step_stays_exact(monkeypatch):
+    model = _model()
+    ref = copy.deepcopy(model)
+    run = torch.compile(model, backend="twell", options={"inner": "aot_eager", "l1_coeff": L1})
+    prefer = {"sparse": False}
+    monkeypatch.setattr(twell_compile.lowering, "prefers_sparse", lambda *a: prefer["sparse"])
+    x = torch.randn(4, D)
+    _step(model, run, ref, x)
+    (coordinator,) = variants.coordinators()
+    seen = set()
+    for step in range(12):
+        if step == 2:
+            prefer["sparse"] = True  # the layers became sparse: a measurement of both variants starts
+        _step(model, run, ref, x)
+        seen.add(coordinator.current)
+    assert seen == {"dense", "twell"}
+    assert set(coordinator.periods) == {"dense", "twell"} and all(p > 0 for p in coordinator.periods.values())
+    prefer["sparse"] = False
+    coordinator.current, coordinator.next_check = "twell", 0  # on TwELL, and the layers densify again
+    _step(model, run, ref, x)
+    _step(model, run, ref, x)
+    assert coordinator.current == "dense"
+
+
+def test_per_layer_graphs_switch_together():
+    model = _model()
+    for layer in model.layers:
+        layer.compile(backend="twell", options={"inner": "aot_eager", "l1_coeff": L1})
+    model(torch.randn(3, D)).sum().backward()
+    (coordinator,) = variants.coordinators()
+    assert sorted(coordinator.layers) == sorted(s.layer for s in twell_compile.stats().layers)
+
+
+def test_dense_variant_false_compiles_the_ops_only():
+    model = _model()
+    torch.compile(model, backend="twell", options={"inner": "aot_eager", "dense_variant": False})(torch.randn(3, D))
+    assert variants.coordinators() == []
+    assert [r.op for r in twell_compile.report().rewritten] == ["twell::ffn_train"] * 3

@@ -1,0 +1,104 @@
+"""The dense variant of a rewritten graph: each FFN stays the model's own code, for Inductor to
+compile and fuse, with the L1 gradient and twell's counters added (``variants.py`` runs it while
+its layers are dense).
+
+Per FFN, between ``h`` and the down projection, one call of ``dense_hidden``:
+
+* its value is ``h`` itself; its backward adds ``l1_coeff · l1_factor / T · sign(h)`` to ``dh``
+  (an ``autograd.Function``, which AOTAutograd traces into the backward graph, so Inductor fuses
+  the term into the element-wise kernels around it): the gradient of the same L1 term the TwELL
+  ops inject (docs/architecture.md, "The L1 regularizer"), with the same coefficient snapshot and
+  live factor;
+* it writes the layer's counters into its telemetry buffer, as the TwELL ops' kernels do: the
+  call, its tokens, the active entries of ``act(gate)``, the rows that would overflow a TwELL tile,
+  the path (dense), ``(1/T) Σ|h|`` in training; and which neurons fired, for ``stats()``'s dead
+  neurons. Reductions over ``[T, H]`` that Inductor fuses with the activation.
+
+A SiLU/GELU gate converted by ``relu_gate`` becomes ``relu`` here too, so both variants compute
+the same function.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from .lowering import DEFAULT_LAYOUT, telemetry
+from .match_ffn import FfnMatch, example_value
+
+
+class _InjectL1(torch.autograd.Function):
+    """Identity forward; the backward adds the L1 term's gradient to ``dh``."""
+
+    @staticmethod
+    def forward(ctx, h, coeff, factor):
+        ctx.save_for_backward(h, coeff, factor)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, dh):
+        h, coeff, factor = ctx.saved_tensors
+        tokens = h.numel() // h.shape[-1]
+        scale = (coeff * factor / tokens).to(dh.dtype)
+        return dh + scale * torch.sign(h), None, None
+
+
+def dense_hidden(h, act, record, last_fired, seen, coeff: Optional[torch.Tensor], factor: Optional[torch.Tensor]):
+    """``h``, with the L1 backward (when ``coeff`` is given) and the call's counters written."""
+    with torch.no_grad():
+        _write_counters(h.detach(), act.detach(), record, last_fired, seen, coeff is not None)
+    if coeff is None:
+        return h
+    return _InjectL1.apply(h, coeff, factor)
+
+
+def _write_counters(h, act, record, last_fired, seen, training: bool) -> None:
+    hidden = h.shape[-1]
+    tokens = h.numel() // hidden
+    active = (act > 0).reshape(-1, hidden)
+    tile, slots = DEFAULT_LAYOUT.tile_n, DEFAULT_LAYOUT.slots
+    pad = (-hidden) % tile
+    per_tile = F.pad(active.to(torch.int32), (0, pad)).reshape(active.shape[0], -1, tile).sum(-1)
+    overflow_rows = (per_tile > slots).any(-1).sum()
+    t = torch.full((), tokens, dtype=torch.float64, device=h.device)
+    l1 = h.abs().sum(dtype=torch.float64) / t if training else record[5]
+    record.copy_(torch.stack([record[0] + 1, t, active.sum(dtype=torch.float64), overflow_rows.to(torch.float64),
+                              torch.zeros_like(t), l1]))
+    if training:
+        seen.add_(t)
+        last_fired.copy_(torch.where(active.any(0), seen, last_fired))
+
+
+def rewrite_dense(gm: fx.GraphModule, match: FfnMatch, layer_id: int, coeff: Optional[fx.Node], factor: Optional[fx.Node],
+                  tensor_node, fake_mode) -> None:
+    """Insert ``dense_hidden`` into ``match``'s FFN in ``gm`` (a copy of the graph the TwELL rewrite
+    got), and turn a converted gate into ReLU. ``tensor_node(name, tensor)`` registers a tensor as
+    a graph buffer and returns its node."""
+    graph = gm.graph
+    device = example_value(match.x).device
+    hidden = example_value(match.up.weight).shape[0]
+    if match.gate_activation != "ReLU":  # relu_gate: the same function as the TwELL op computes
+        pre = match.act.args[0]
+        with graph.inserting_after(match.act):
+            relu = graph.call_function(F.relu, (pre,))
+        relu.meta.update(match.act.meta)
+        match.act.replace_all_uses_with(relu)
+        graph.erase_node(match.act)
+        match.act = relu
+        if match.gate is None:
+            match.hidden = relu
+    record = tensor_node(f"_twell_record_{layer_id}", telemetry.buffer(layer_id, device))
+    last_fired, seen = telemetry.fired_state(layer_id, device, hidden)
+    last = tensor_node(f"_twell_last_fired_{layer_id}", last_fired)
+    sampled = tensor_node(f"_twell_seen_{layer_id}", seen)
+    down_input = match.hidden
+    with graph.inserting_after(down_input):
+        node = graph.call_function(dense_hidden, (down_input, match.act, record, last, sampled, coeff, factor))
+    node.meta["example_value"] = example_value(down_input)
+    for user in list(down_input.users):
+        if user is not node:
+            user.replace_input_with(down_input, node)
+
