@@ -45,10 +45,13 @@ def buffer(layer: int, device) -> torch.Tensor:
     return _state(layer, torch.device(device))[0]
 
 
-def ensure(layer: int, device) -> None:
-    """Allocate ``layer``'s buffer now (at rewrite time), not during a CUDA-graph warm-up, where
-    it would land in the graph's memory pool as an untracked live allocation."""
+def ensure(layer: int, device, hidden: Optional[int] = None) -> None:
+    """Allocate ``layer``'s buffers now (at rewrite time), not during a CUDA-graph warm-up, where
+    they would land in the graph's memory pool as untracked live allocations: its counters and,
+    with ``hidden``, its dead-neuron state."""
     buffer(layer, device)
+    if hidden is not None:
+        fired_state(layer, device, hidden)
 
 
 def record(layer: int, tokens: int, active: torch.Tensor, dense_rows: torch.Tensor, l1: Optional[torch.Tensor], sparse: bool) -> torch.Tensor:

@@ -27,6 +27,7 @@ against Inductor's, against the step) into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import math
@@ -55,6 +56,7 @@ class TrainRow:
     layers: int
     l1_coeff: float  # mean over layers (NaN: not a twell variant)
     dead_neurons: float  # mean share per layer (NaN: not measured)
+    graph_variant: str  # which of twell's graph variants ran at the end of the turn ("-": not twell)
     step_ms: float
     ratio: float  # the baseline's step time / this variant's (>1: faster than the baseline)
 
@@ -227,15 +229,35 @@ def train_turn(v: Variant, batches: Batches, first: int, last: int, cfg: TrainCo
     return 1e3 * elapsed / max(1, last - first)
 
 
+@contextlib.contextmanager
+def trained_function(v: Variant):
+    """The raw model computing what the variant trains: a SiLU model under ``relu_gate`` trains
+    (and is evaluated) with ReLU gates."""
+    if v.name != "silu-relu-gate":
+        yield v.model
+        return
+    saved = [layer.mlp.act_fn for layer in v.model.model.layers]
+    for layer in v.model.model.layers:
+        layer.mlp.act_fn = torch.nn.ReLU()
+    try:
+        yield v.model
+    finally:
+        for layer, act in zip(v.model.model.layers, saved):
+            layer.mlp.act_fn = act
+
+
 @torch.no_grad()
 def val_loss(v: Variant, batches: Batches, cfg: TrainConfig) -> float:
-    v.model.eval()
+    """Validation loss of the raw (uncompiled) model: the same function the compiled one trains,
+    with no inference graph to compile."""
     autocast = torch.autocast(cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.device.startswith("cuda"))
     losses = []
-    for tokens in batches.val_set:
-        with autocast:
-            losses.append(float(v.model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss))
-    v.model.train()
+    with trained_function(v) as model:
+        model.eval()
+        for tokens in batches.val_set:
+            with autocast:
+                losses.append(float(model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss))
+        model.train()
     return statistics.fmean(losses)
 
 
@@ -268,8 +290,9 @@ def hook_densities(model, tokens: torch.Tensor, cfg: TrainConfig) -> list[float]
 def observe(v: Variant, batches: Batches, cfg: TrainConfig) -> dict:
     """Density per layer, sparse layers, coefficient and dead neurons of a variant now."""
     if not v.twell:
-        per_layer = hook_densities(v.model, batches.val_set[0], cfg)
-        return dict(per_layer=per_layer, sparse_layers=-1, l1_coeff=float("nan"), dead=float("nan"))
+        with trained_function(v) as model:
+            per_layer = hook_densities(model, batches.val_set[0], cfg)
+        return dict(per_layer=per_layer, sparse_layers=-1, l1_coeff=float("nan"), dead=float("nan"), variant="-")
     import twell_compile
 
     layers = twell_compile.stats(v.model).layers
@@ -278,7 +301,16 @@ def observe(v: Variant, batches: Batches, cfg: TrainConfig) -> dict:
     dead = [s.dead_neurons for s in layers if s.dead_neurons is not None]
     return dict(per_layer=per_layer, sparse_layers=sum(s.path == "sparse" for s in layers),
                 l1_coeff=statistics.fmean(coeffs) if coeffs else float("nan"),
-                dead=statistics.fmean(dead) if dead else float("nan"))
+                dead=statistics.fmean(dead) if dead else float("nan"), variant=_graph_variant(v))
+
+
+def _graph_variant(v: Variant) -> str:
+    """The graph variant (variants.py) the variant's training graphs run now."""
+    from . import layers, variants
+
+    mine = layers.model_of(v.model)
+    found = {c.current for c in variants.coordinators() if c.training and set(c.layers) & {l.id for l in mine.layers.values()}}
+    return "/".join(sorted(found)) or "twell"
 
 
 def run(cfg: TrainConfig, log: Callable[[str], None] = print, on_rows: Optional[Callable[[list], None]] = None,
@@ -311,7 +343,8 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print, on_rows: Optional[
             rows.append(TrainRow(last, v.name, v.losses[-1], val_loss(v, batches, cfg),
                                  statistics.fmean(per_layer) if per_layer else float("nan"),
                                  ";".join(f"{d:.5f}" for d in per_layer), seen["sparse_layers"], len(per_layer),
-                                 seen["l1_coeff"], seen["dead"], times[v.name], times[baseline] / times[v.name]))
+                                 seen["l1_coeff"], seen["dead"], seen["variant"], times[v.name],
+                                 times[baseline] / times[v.name]))
         log(format_turn(rows[-len(variants):]))
         bar(last - first)
         if on_rows is not None:
@@ -336,6 +369,7 @@ def format_turn(rows: list[TrainRow]) -> str:
         sparse = "" if r.sparse_layers < 0 else f", {r.sparse_layers}/{r.layers} layers sparse"
         coeff = "" if math.isnan(r.l1_coeff) else f", l1 {r.l1_coeff:.3g}"
         dead = "" if math.isnan(r.dead_neurons) else f", dead {r.dead_neurons:.1%}"
+        dead += "" if r.graph_variant == "-" else f", {r.graph_variant} variant"
         lines.append(f"  {r.variant:<15} loss {r.train_loss:.4f}  val {r.val_loss:.4f}  density {r.density:.3%}{sparse}{coeff}{dead}"
                      f"  {r.step_ms:7.1f} ms/step ({r.ratio:.2f}x)")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ class TwellOptions:
         target_density: steer each layer's L1 coefficient, from ``l1_coeff``, so that the share of
             active hidden units approaches this value (for example 0.005) while the model trains
             (``density_control.py``); None (default): the coefficient stays ``l1_coeff``.
-        l1_coeff_max: the largest coefficient ``target_density`` may reach (default 100 ×
+        l1_coeff_max: the largest coefficient ``target_density`` may reach (default 1000 ×
             ``l1_coeff``): what the language-model loss may pay at most.
         relu_gate: rewrite SiLU- and GELU-gated FFNs (standard Llama, Mistral, Qwen, Gemma
             configurations) as ReLU-gated TwELL FFNs with the L1 term: the paper's recipe for a

@@ -357,7 +357,7 @@ class FFNPatch:
         (inside a compiled region making them would be a side effect)."""
         key = str(device)
         if key not in self.coefficients:
-            lowering.telemetry.ensure(self.layer.id, device)
+            lowering.telemetry.ensure(self.layer.id, device, self.layer.hidden)
             self.factors[key] = layers.factor(self.layer.model, device)
             self.coefficients[key] = self.layer.coefficient(device)
 

@@ -180,7 +180,7 @@ def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, owner: 
     hidden = example_value(m.up.weight).shape[0]
     layer = layers.register(model, identity, name, device, hidden=hidden, l1_coeff=options.l1_coeff)
     density_control.control(layer.model, options.target_density, options.l1_coeff, options.l1_coeff_max)
-    lowering.telemetry.ensure(layer.id, device)
+    lowering.telemetry.ensure(layer.id, device, hidden)
     dtype = m.compute_dtype
     with graph.inserting_before(m.down.out):
 
