@@ -309,8 +309,12 @@ def _graph_variant(v: Variant) -> str:
     from . import layers, variants
 
     mine = layers.model_of(v.model)
-    found = {c.current for c in variants.coordinators() if c.training and set(c.layers) & {l.id for l in mine.layers.values()}}
-    return "/".join(sorted(found)) or "twell"
+    found = [c for c in variants.coordinators() if c.training and set(c.layers) & {l.id for l in mine.layers.values()}]
+    if not found:
+        return "twell"
+    c = found[0]
+    measured = "".join(f" {k} {v:.1f}ms" for k, v in sorted(c.periods.items()))
+    return f"{c.current} (sparse-preferring layers {c.share_sparse():.0%}, step {c.steps}{',' if measured else ''}{measured})"
 
 
 def run(cfg: TrainConfig, log: Callable[[str], None] = print, on_rows: Optional[Callable[[list], None]] = None,
@@ -369,7 +373,7 @@ def format_turn(rows: list[TrainRow]) -> str:
         sparse = "" if r.sparse_layers < 0 else f", {r.sparse_layers}/{r.layers} layers sparse"
         coeff = "" if math.isnan(r.l1_coeff) else f", l1 {r.l1_coeff:.3g}"
         dead = "" if math.isnan(r.dead_neurons) else f", dead {r.dead_neurons:.1%}"
-        dead += "" if r.graph_variant == "-" else f", {r.graph_variant} variant"
+        dead += "" if r.graph_variant == "-" else f", variant {r.graph_variant}"
         lines.append(f"  {r.variant:<15} loss {r.train_loss:.4f}  val {r.val_loss:.4f}  density {r.density:.3%}{sparse}{coeff}{dead}"
                      f"  {r.step_ms:7.1f} ms/step ({r.ratio:.2f}x)")
     return "\n".join(lines)

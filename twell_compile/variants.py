@@ -12,7 +12,7 @@ Both compute the same function and inject the same L1 gradient; they differ in s
 trained from scratch starts ~50% dense, where the op's sparse path cannot win and its dense path
 costs host time that Inductor's code does not: so graphs start on the dense variant. The choice
 is made per model (``ModelVariants``: all graphs of one model, in one mode, switch together, so
-that a model compiled per decoder layer is measured as a whole). Once at least two thirds of the
+that a model compiled per decoder layer is measured as a whole). Once at least half of the
 model's layers prefer the sparse path (their measured density and dense rows,
 ``lowering.prefers_sparse``), it *measures*: each variant runs for a few steps, and the one with
 the shorter step (the period between calls of the model's first graph: the step time the user
@@ -44,8 +44,8 @@ REMEASURE_STEPS = 200
 REMEASURE_STEPS_MAX = 3200
 # The share of the model's layers that must prefer the sparse path for the TwELL variant to be
 # tried, and below which a model on the TwELL variant goes back to dense.
-SPARSE_SHARE = 2 / 3
-DENSE_SHARE = 1 / 3
+SPARSE_SHARE = 1 / 2
+DENSE_SHARE = 1 / 4
 # How often (steps) the dense variant's counters are copied to the host for the layers' policies.
 WATCH_EVERY = 4
 VARIANTS = ("dense", "twell")
@@ -60,6 +60,8 @@ class ModelVariants:
         self.cuda_graphs = cuda_graphs
         self.layers: dict[int, int] = {}  # layer id -> hidden
         self.clock: Optional[weakref.ref] = None  # the graph whose calls count the steps
+        self.members = 0
+        self.calls_since_clock = 0
         self.current = "dense"
         self.steps = 0
         self.next_check = 0
@@ -70,13 +72,19 @@ class ModelVariants:
 
     def join(self, graph: "GraphVariants") -> None:
         self.layers.update(graph.layers)
+        self.members += 1
         if self.clock is None or self.clock() is None:
             self.clock = weakref.ref(graph)
 
     def tick(self, graph: "GraphVariants") -> None:
-        """A call of ``graph``: a step of the model if it is the clock."""
+        """A call of ``graph``: a step of the model if it is the clock (the graph that counts the
+        steps: the first one, until it stops being called, as a graph replaced by a recompile)."""
         if self.clock is None or self.clock() is not graph:
-            return
+            self.calls_since_clock += 1
+            if self.calls_since_clock <= 2 * self.members:
+                return
+            self.clock = weakref.ref(graph)
+        self.calls_since_clock = 0
         now = time.perf_counter()
         if self.trial is not None:
             self._measure(now)
@@ -90,6 +98,10 @@ class ModelVariants:
         if self.current == "dense" and self.steps % WATCH_EVERY == 0:
             for layer, hidden in self.layers.items():
                 lowering.watch_counters(layer, self.device, hidden)
+
+    def share_sparse(self) -> float:
+        """The share of the model's layers whose last measured call prefers the sparse path."""
+        return self._share_sparse()
 
     def _share_sparse(self) -> float:
         if not self.layers:

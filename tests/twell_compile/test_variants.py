@@ -107,3 +107,18 @@ def test_dense_variant_false_compiles_the_ops_only():
     torch.compile(model, backend="twell", options={"inner": "aot_eager", "dense_variant": False})(torch.randn(3, D))
     assert variants.coordinators() == []
     assert [r.op for r in twell_compile.report().rewritten] == ["twell::ffn_train"] * 3
+
+
+def test_a_recompiled_graph_takes_over_the_step_count():
+    """A graph replaced by a recompile is no longer called; the model's steps are then counted
+    by the graph that is."""
+    from twell_compile.variants import GraphVariants, ModelVariants
+
+    coordinator = ModelVariants(torch.device("cpu"), True, False)
+    first = GraphVariants(lambda: "first", lambda: "first", {1: 8}, coordinator)
+    second = GraphVariants(lambda: "second", lambda: "second", {1: 8}, coordinator)
+    first()
+    assert coordinator.steps == 1
+    for _ in range(10):
+        second()
+    assert coordinator.steps >= 5 and coordinator.clock() is second
