@@ -180,6 +180,7 @@ def prefers_sparse(layer: int, device: torch.device, training: bool, cuda_graphs
     policy = layer_policy(layer, device, create=False)
     if policy is None:
         return False
+    policy.refresh()  # nothing else takes in the counters of a layer that ran no op
     if cuda_graphs:
         return policy.measured and policy.choose_captured(training, policy.tokens)
     return policy.measured and policy.choose(training)

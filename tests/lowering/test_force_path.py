@@ -75,3 +75,27 @@ def test_the_package_exports_what_twell_compile_uses():
                 "mark_cuda_graph_layers", "prefers_sparse", "telemetry", "tuned_configs", "watch_counters"}
     assert set(lowering.__all__) == expected
     assert all(getattr(lowering, name) is not None for name in expected)
+
+
+def test_prefers_sparse_takes_in_the_counters_before_it_decides(monkeypatch):
+    """A layer that ran compiled dense code (the backend's dense variant) has no op call to take
+    its counters in: prefers_sparse must, or it never sees a measured density (as it once did not,
+    on the H200: 0% of layers preferred sparse at 0.5% density)."""
+    from twell_compile.lowering import dispatch_policy
+
+    class Policy:
+        measured, tokens = False, 16384
+
+        def refresh(self):
+            self.measured = True
+
+        def choose(self, training):
+            return True
+
+        def choose_captured(self, training, tokens):
+            return tokens == 16384
+
+    monkeypatch.setattr(dispatch_policy, "layer_policy", lambda *args, **kwargs: Policy())
+    device = torch.device("cuda", 0)
+    assert dispatch_policy.prefers_sparse(0, device, True, cuda_graphs=False)
+    assert dispatch_policy.prefers_sparse(0, device, True, cuda_graphs=True)
