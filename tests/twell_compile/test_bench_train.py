@@ -40,3 +40,21 @@ def test_bench_train_refuses_an_unknown_variant():
 def test_the_text_is_the_standard_library():
     data = bench_train.stdlib_bytes(limit=1 << 20)
     assert data.numel() >= 1 << 16 and b"def " in bytes(data[: 1 << 16].tolist())
+
+
+def test_bench_distributed_compares_losses_of_two_runs(tmp_path):
+    """The N-GPU bench (NCCL, so not run here) ends with ``compare``: per-step losses of two runs of
+    the same global batch agree within bf16's spread, per backend."""
+    import json
+
+    from twell_compile import bench_distributed
+
+    one = {"twell": {"losses": [4.0, 3.9]}, "inductor": {"losses": [4.0, 3.95]}}
+    near = {"twell": {"losses": [4.01, 3.91]}, "inductor": {"losses": [4.0, 3.96]}}
+    far = {"twell": {"losses": [4.0, 3.5]}, "inductor": {"losses": [4.0, 3.95]}}
+    paths = {}
+    for name, data in (("one", one), ("near", near), ("far", far)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(data))
+    assert bench_distributed.main(["compare", str(paths["one"]), str(paths["near"])]) == 0
+    assert bench_distributed.main(["compare", str(paths["one"]), str(paths["far"])]) == 1
