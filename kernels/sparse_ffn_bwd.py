@@ -121,7 +121,7 @@ def sparse_ffn_backward(
         dense_rows: bool ``[M]``: rows computed by the dense formulas, with the semantics of
             ``reference.backward_dense_rows_ref`` (``backward_dense_rows`` computes it). It must
             include every overflowed row: their stored slots are incomplete.
-        l1_scale: 0-d float tensor on x's device, ``l1_coeff / n_layers`` (read on the device).
+        l1_scale: 0-d float tensor on x's device, the layer's ``l1_coeff · l1_factor`` (read on the device).
         layout: the TwELL layout of ``packed``.
         dense_scratch_rows: dense rows whose coefficients are kept in scratch (default: a 32 MiB
             budget); rows past it are recomputed (exact, slower). Tests use small values.
