@@ -25,7 +25,7 @@ from twell_compile import SkipReason
 
 from tests.ffn_models import assert_close, assert_grads_close, eager_loss, reset_state
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 VOCAB, L1 = 96, 0.05
 
@@ -140,7 +140,7 @@ def test_load_state_dict_dtype_moves_and_hooks_behave_as_on_a_plain_module():
 
 
 def _lora(model, targets):
-    peft = pytest.importorskip("peft")
+    import peft
     cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
     return peft.get_peft_model(model, cfg)
 
@@ -169,7 +169,7 @@ def test_lora_adapters_added_after_patching_are_not_bypassed(targets):
 
 
 def test_a_lora_layer_with_dropout_runs_the_modules_own_forward_and_says_so():
-    peft = pytest.importorskip("peft")
+    import peft
     model = llama()
     twell_compile.patch(model, l1_coeff=L1)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["gate_proj"])

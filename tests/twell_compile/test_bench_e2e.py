@@ -12,7 +12,7 @@ import torch
 
 from tests.ffn_models import reset_state
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from twell_compile import bench_e2e  # noqa: E402
 

@@ -8,7 +8,6 @@ import pytest
 
 from twell_compile import bench, bench_train
 
-pytest.importorskip("transformers")
 
 TINY = ["--device", "cpu", "--hidden", "32", "--intermediate", "128", "--layers", "2", "--heads", "4", "--batch", "2",
         "--seq", "16", "--steps", "4", "--eval-every", "2", "--val-batches", "1", "--warmup-steps", "1",

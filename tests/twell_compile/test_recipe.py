@@ -242,7 +242,6 @@ def test_dead_neurons_are_counted_over_a_window_of_tokens(monkeypatch):
 
 
 def test_the_trainer_callback_logs_telemetry_and_sets_the_accumulation_scale():
-    pytest.importorskip("transformers")
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from twell_compile.integrations import TwellCallback, telemetry_logs
