@@ -56,15 +56,12 @@ def set_l1_coeff(value: float) -> None:
         write_all(float(value))
 
 
-def write_all(value) -> None:
-    """Write ``value`` (a float, or a 0-d tensor on the device) into every live coefficient."""
+def write_all(value: float) -> None:
+    """Write ``value`` into every live coefficient (through ``.data``: no version change)."""
     global _generation
     with torch.no_grad():
         for t in list(_live):
-            if isinstance(value, torch.Tensor):
-                t.data.copy_(value.to(t.device, non_blocking=True))
-            else:
-                t.data.fill_(value)
+            t.data.fill_(value)
     _generation += 1
 
 
@@ -73,10 +70,6 @@ def changed() -> None:
     now on take a new snapshot."""
     global _generation
     _generation += 1
-
-
-def live_tensors() -> list[torch.Tensor]:
-    return list(_live)
 
 
 def forward_value(t: torch.Tensor) -> torch.Tensor:

@@ -158,13 +158,6 @@ def name_of(layer_id: int) -> str:
     return "?" if entry is None else entry.name
 
 
-def models() -> list[Model]:
-    """Every model with a registered layer, the unowned group last."""
-    with _lock:
-        found = [m for m in _models.values() if m.layers]
-        return found + ([_unowned] if _unowned.layers else [])
-
-
 def reset() -> None:
     """Forget every layer and model (``twell_compile.reset()``). Ids are never reused: the ops keep
     per-layer state (dispatch counters) under them."""
