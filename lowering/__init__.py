@@ -5,6 +5,7 @@ Importing this package registers ``torch.ops.twell.ffn``, ``torch.ops.twell.ffn_
 one ``twell_compile`` uses:
 
 * the ops ``ffn``, ``ffn_train``, ``ffn_bwd``, and their counters (``telemetry``);
+* ``l1_snapshot``: the copy of a live L1 coefficient that a training forward hands its backward;
 * ``mark_cuda_graph_layers``: layers the backend compiles to run under CUDA graphs;
 * ``force_path("sparse" | "dense")``: a context manager forcing the CUDA path of every call in it;
 * ``prefers_sparse`` and ``watch_counters``: a layer's measured preference, and its counters'
@@ -21,6 +22,7 @@ from .dispatch_policy import force_path, prefers_sparse, watch_counters
 from .ffn import ffn
 from .ffn_bwd import ffn_bwd
 from .ffn_train import ffn_train
+from .l1_snapshot import l1_snapshot
 from .measure import active_pairs, gather_floor, tuned_configs
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "ffn_train",
     "force_path",
     "gather_floor",
+    "l1_snapshot",
     "mark_cuda_graph_layers",
     "prefers_sparse",
     "telemetry",

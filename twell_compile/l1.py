@@ -5,8 +5,8 @@ the training op. ``set_l1_coeff`` writes every live one in place: a schedule or 
 costs no recompile, and CUDA-graph replays read the new value.
 
 A change applies from the next forward on, and never to a backward in flight: a forward hands its
-backward a snapshot of the coefficient (``forward_value`` on the eager routes, a ``clone`` node at
-the top of each rewritten graph on the compile routes), and the live tensors are written through
+backward a snapshot of the coefficient (``forward_value`` on the eager routes, a
+``twell::l1_snapshot`` node at the top of each rewritten graph on the compile routes), and the live tensors are written through
 ``.data``, so no saved tensor's version changes under autograd.
 """
 

@@ -408,9 +408,9 @@ def patched_forward(module: nn.Module, x, *args, **kwargs):
     layer = state.layer.id
     if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in params)):
         coefficient = state.coefficients[key]
-        # The value for this forward's backward: a graph's own clone when compiled, else a
-        # snapshot made once per change of the coefficient (l1.py).
-        coeff = coefficient.clone() if torch.compiler.is_compiling() else forward_value(coefficient)
+        # The value for this forward's backward: the graph's own snapshot op when compiled, else
+        # a snapshot made once per change of the coefficient (l1.py).
+        coeff = lowering.l1_snapshot(coefficient) if torch.compiler.is_compiling() else forward_value(coefficient)
         return torch.ops.twell.ffn_train(x, wg, wu, wd, bg, bu, bd, coeff, state.factors[key], layer)[0]
     return torch.ops.twell.ffn(x, wg, wu, wd, bg, bu, bd, layer)
 

@@ -8,7 +8,8 @@ One orchestrating function, ``rewrite_ffns``, runs in this order:
 3. strict check: with ``strict=True`` any skipped pattern raises before the graph is edited;
 4. rewrite each match: register its layer (``layers``: one id, name and L1 factor per model),
    casts first (autocast), then the op call, then the uses are moved;
-5. dead-node removal, lint and recompile; the report is recorded last, once the graph is valid,
+5. dead-node removal, lint and recompile, and a Dynamo guard that keeps the graph to the modules
+   it was rewritten for (``graph_guards``); the report is recorded last, once the graph is valid,
    with a warning if nothing of a model that asked for twell was rewritten.
 """
 
@@ -20,7 +21,7 @@ from typing import Optional
 import torch
 from torch import fx, nn
 
-from . import density_control, layers, lowering, loss_scaling_hooks, native_ffn, reporting
+from . import density_control, graph_guards, layers, lowering, loss_scaling_hooks, native_ffn, reporting
 from .lowering import mark_cuda_graph_layers
 from .match_ffn import FfnMatch, example_value, find_ffns, where
 from .module_paths import ModelIndex, calling_modules, display_name, real_tensor
@@ -53,6 +54,8 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
     if kept:
         gm.graph.lint()
         gm.recompile()
+        # The graph now carries these FFNs' layers: Dynamo must not reuse it for other modules.
+        graph_guards.specialize(p.weight for m in kept for p in (m.gate, m.up, m.down) if p is not None)
     if cuda_graphs:
         mark_cuda_graph_layers(r.layer for r in rewritten)
     reporting.record(rewritten, skipped)
@@ -233,14 +236,16 @@ def _device_tag(device: torch.device) -> str:
 
 
 def _coefficient_snapshot(gm: fx.GraphModule, layer: layers.Layer, device: torch.device, fake_mode) -> fx.Node:
-    """A ``clone`` of the layer's live L1 coefficient, at the top of the graph: the value this
-    forward's backward uses, whatever is written into the live tensor before it runs."""
+    """A snapshot of the layer's live L1 coefficient (``twell::l1_snapshot``), at the top of the
+    graph: the value this forward's backward uses, whatever is written into the live tensor
+    before it runs (a plain ``clone`` would be recomputed in Inductor's backward)."""
     live = _graph_tensor(gm, f"_twell_l1_coeff_{layer.id}_{_device_tag(device)}", layer.coefficient(device), fake_mode)
+    snapshot = torch.ops.twell.l1_snapshot.default
     for user in live.users:
-        if user.op == "call_method" and user.target == "clone":
+        if user.op == "call_function" and user.target is snapshot:
             return user
     with gm.graph.inserting_after(live):
-        return _with_meta(gm.graph.call_method("clone", (live,)), fake_mode)
+        return _with_meta(gm.graph.call_function(snapshot, (live,)), fake_mode)
 
 
 def _graph_tensor(gm: fx.GraphModule, name: str, tensor: torch.Tensor, fake_mode) -> fx.Node:

@@ -1,10 +1,12 @@
 """Run by ``torchrun --nproc_per_node 2`` from ``test_distributed.py`` (CPU, gloo); not a test itself.
 
-Trains the tiny ReLU Llama of ``tests/e2e/test_distributed.py`` for ``STEPS`` SGD steps on each
-rank's half of one global batch, on every route named on the command line, and saves on rank 0
-each step's loss (averaged over the ranks) and every parameter's full gradient, for the test to
-compare with one process on the whole batch. ``--unmodified`` runs the plain script (DDP or
-FSDP2, no twell import), which ``TWELL=1`` in the environment must turn into twell's.
+Trains a tiny ReLU Llama (or, on the ``titan`` routes, a model of identical decoder blocks, which
+Dynamo would serve one compiled graph) for ``STEPS`` SGD steps on each rank's share of one global
+batch, on every route named on the command line, and saves on rank 0 each step's loss (averaged
+over the ranks) and every parameter's full gradient, for the test to compare with one process.
+The ``uneven`` route gives the ranks 1 and 3 sequences. The ``unmodified`` routes run the plain
+script (DDP or FSDP2, no twell import), which ``TWELL=1`` in the environment must turn into
+twell's.
 
 Usage: torchrun --nproc_per_node 2 distributed_worker.py OUT ROUTE [ROUTE ...]
 """
@@ -21,18 +23,82 @@ VOCAB, STEPS, LR, L1 = 96, 2, 0.1, 0.05
 GLOBAL_BATCH, SEQ = 4, 10
 
 
-def build():
+class MLP(torch.nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.gate, self.up, self.down = torch.nn.Linear(d, h), torch.nn.Linear(d, h), torch.nn.Linear(h, d)
+
+    def hidden(self, x):
+        return torch.relu(self.gate(x)) * self.up(x)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+class Block(torch.nn.Module):
+    """A torchtitan-style decoder block: nothing in it differs from one block to the next."""
+
+    def __init__(self, d: int = 32, h: int = 96):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.mlp = MLP(d, h)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Titan(torch.nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, d)
+        self.layers = torch.nn.ModuleList(Block(d) for _ in range(2))
+        self.head = torch.nn.Linear(d, VOCAB)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), input_ids.flatten())
+
+
+def kind_of(route: str) -> str:
+    return "titan" if "titan" in route else "llama"
+
+
+def build(kind: str = "llama"):
+    torch.manual_seed(0)
+    if kind == "titan":
+        return Titan()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
     # Each FFN weight is 1 MiB in float32, as large as DDP's first bucket, so 1 MiB buckets cut FFNs.
     cfg = LlamaConfig(hidden_act="relu", hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=32, attention_dropout=0.0)
     return LlamaForCausalLM(cfg)
 
 
+def decoder_layers(model):
+    return model.layers if isinstance(model, Titan) else model.model.layers
+
+
+def loss_of(kind: str, model, ids):
+    """``model`` (perhaps wrapped: DDP, compiled) on ``ids``: the language-model loss."""
+    return model(ids) if kind == "titan" else model(input_ids=ids, labels=ids).loss
+
+
+def hidden(mlp, x):
+    """The FFN's ``h``, whose L1 the backend regularises."""
+    return mlp.hidden(x) if hasattr(mlp, "hidden") else mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+
 def global_batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(100 + step))
+
+
+def rank_batches(route: str, step: int, world: int) -> list[torch.Tensor]:
+    """Each rank's sequences: equal halves, or 1 and 3 on the ``uneven`` route."""
+    ids = global_batch(step)
+    return list(ids.split([1, GLOBAL_BATCH - 1])) if "uneven" in route else list(ids.chunk(world))
 
 
 def full_grad(p: torch.Tensor) -> torch.Tensor:
@@ -48,7 +114,7 @@ def wrap(route: str, model):
         import twell_compile
 
     options = {"inner": "aot_eager", "l1_coeff": L1}
-    if route == "ddp-patch-before":
+    if route in ("ddp-patch-before", "ddp-patch-uneven"):
         twell_compile.patch(model, l1_coeff=L1)
         ddp = DDP(model)
         return ddp, model
@@ -67,15 +133,15 @@ def wrap(route: str, model):
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         if route == "fsdp-patch-before":
             twell_compile.patch(model, l1_coeff=L1)
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         if route == "fsdp-patch-after":
             twell_compile.patch(model, l1_coeff=L1)
-        if route == "fsdp-compile-per-layer":
-            for layer in model.model.layers:
+        if route.endswith("compile-per-layer"):
+            for layer in decoder_layers(model):
                 layer.compile(backend="twell", options=options)
-        if route == "fsdp-compile-whole":
+        if route.endswith("compile-whole"):
             return torch.compile(model, backend="twell", options=options), model
         return model, model
     if route == "unmodified-ddp":  # TWELL=1 must do everything
@@ -85,7 +151,7 @@ def wrap(route: str, model):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, model
@@ -94,13 +160,13 @@ def wrap(route: str, model):
 
 def run(route: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build()
+    model = build(kind_of(route))
     run_model, params = wrap(route, model)
     opt = torch.optim.SGD(params.parameters(), lr=LR)
     losses, grads = [], []
     for step in range(STEPS):
-        ids = global_batch(step).chunk(world)[rank]
-        loss = run_model(input_ids=ids, labels=ids).loss
+        ids = rank_batches(route, step, world)[rank]
+        loss = loss_of(kind_of(route), run_model, ids)
         loss.backward()
         mean = loss.detach().clone()
         dist.all_reduce(mean)

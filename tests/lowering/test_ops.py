@@ -98,6 +98,14 @@ def test_opcheck_all_ops(case):
     torch.library.opcheck(ops.ffn_bwd.default, (dout, *plain_args, idx, val, count, up_val, coeff, factor, 0))
 
 
+def test_l1_snapshot_is_a_copy_that_later_writes_do_not_change():
+    live = torch.tensor(0.25)
+    torch.library.opcheck(ops.l1_snapshot.default, (live,))
+    snapshot = ops.l1_snapshot(live)
+    live.fill_(1.0)
+    assert snapshot.item() == 0.25 and snapshot.data_ptr() != live.data_ptr()
+
+
 def test_fake_impls_match_real_shapes_and_dtypes():
     """The saved TwELL tensors have shapes from input shapes only (fixed capacity: docs/format.md,
     'Layout')."""

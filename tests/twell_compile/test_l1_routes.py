@@ -97,6 +97,89 @@ def test_layers_are_named_by_their_full_path_on_every_route(route):
     assert [s.where for s in twell_compile.stats().layers] == names
 
 
+class Block(nn.Module):
+    """A torchtitan-style decoder block: nothing in it differs from one block to the next, so
+    Dynamo would serve every block the graph it compiled for the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.mlp = GatedFFN(D, H)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _break_before(attr):
+    def prepare(model):
+        for block in model.layers:
+            target = block if attr is None else getattr(block, attr)
+            target.register_forward_pre_hook(lambda mod, args: torch._dynamo.graph_break())
+        return _compile_whole(model)
+
+    return prepare
+
+
+IDENTICAL_BLOCK_ROUTES = {
+    "per block": _compile_per_layer,
+    "graph break before each block": _break_before(None),
+    "graph break before each FFN": _break_before("mlp"),
+}
+
+
+@pytest.mark.parametrize("route", list(IDENTICAL_BLOCK_ROUTES))
+def test_identical_blocks_each_get_their_own_layer(route):
+    """More blocks than Dynamo's recompile limit (8), an input that requires grad (so no block
+    differs from the next in what Dynamo guards): every block must still be its own layer, and
+    the term the mean over all of them."""
+    n = torch._dynamo.config.recompile_limit + 2
+    torch.manual_seed(0)
+    model = Blocks(n)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, D, requires_grad=True)
+    _loss(IDENTICAL_BLOCK_ROUTES[route](model)(x)).backward()
+    names = [f"layers.{i}.mlp" for i in range(n)]
+    assert sorted(r.where for r in twell_compile.report().rewritten) == sorted(names)
+    assert [s.where for s in twell_compile.stats().layers] == names
+    assert all(s.calls == 1 for s in twell_compile.stats().layers)
+    eager_loss(ref, lambda: ref(x), _loss, L1).backward()
+    assert_grads_close(model, ref, rtol=1e-4, atol_frac=1e-5)
+
+
+@pytest.mark.parametrize("route", ["compile", "patch, then torch.compile"])
+def test_set_l1_coeff_between_forward_and_backward_under_inductor(route):
+    """Inductor's partitioner recomputes cheap ops in the backward: the coefficient's snapshot
+    must still be the value the forward saw."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    if route == "compile":
+        run = torch.compile(model, backend="twell", options={"inner": "inductor", "l1_coeff": L1})
+    else:
+        run = torch.compile(_patched(model))
+    x = torch.randn(3, D)
+    out = run(x)
+    twell_compile.set_l1_coeff(4 * L1)
+    _loss(out).backward()
+    eager_loss(ref, lambda: ref(x), _loss, L1).backward()
+    assert_grads_close(model, ref, rtol=1e-4, atol_frac=1e-5, prefix="in flight: ")
+    model.zero_grad()
+    ref.zero_grad()
+    _loss(run(x)).backward()
+    eager_loss(ref, lambda: ref(x), _loss, 4 * L1).backward()
+    assert_grads_close(model, ref, rtol=1e-4, atol_frac=1e-5, prefix="next forward: ")
+
+
 def test_graph_count_does_not_change_the_term():
     """Three graphs or one: the per-layer weight is l1_coeff / 3 either way (it used to be the
     number of FFNs in each graph, so per-layer compile tripled the term)."""
