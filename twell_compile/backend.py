@@ -107,12 +107,13 @@ def prepare_graph(gm: fx.GraphModule, mode: Optional[str], options: Optional[dic
 
 
 def _patch_if_checkpointed(opts: TwellOptions) -> None:
-    """Activation checkpointing makes Dynamo break the graph at each checkpointed block (HF's
-    ``gradient_checkpointing_enable()``), which then runs eagerly, out of the backend's sight: so
-    the model's FFN modules are patched (``patch``), which runs the TwELL op inside those blocks,
-    L1 term included, and recomputes it in the backward as checkpointing does."""
+    """HF's ``gradient_checkpointing_enable()`` checkpoints reentrantly by default, where Dynamo
+    breaks the graph at each checkpointed block, which then runs eagerly, out of the backend's
+    sight: so the model's FFN modules are patched (``patch``), which runs the TwELL op inside those
+    blocks, L1 term included, and recomputes it in the backward as checkpointing does.
+    (Non-reentrant checkpoints are traced, and their bodies rewritten: ``regions``.)"""
     model = calling_model()
-    if model is None or model in _checkpointed_models or not getattr(model, "is_gradient_checkpointing", False):
+    if model is None or model in _checkpointed_models or not _hf_checkpointing(model):
         return
     _checkpointed_models.add(model)
     from .patch_ffn import patch
@@ -121,6 +122,13 @@ def _patch_if_checkpointed(opts: TwellOptions) -> None:
 
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
         patch(model, **patch_options(opts))
+
+
+def _hf_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether a Hugging Face model has gradient checkpointing on: a submodule's
+    ``gradient_checkpointing`` flag, which ``gradient_checkpointing_enable()`` sets (read directly:
+    the model's ``is_gradient_checkpointing`` property is deprecated in transformers 5)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def uses_cuda_graphs(mode: Optional[str]) -> bool:

@@ -188,9 +188,9 @@ def where(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if stack:
         path, mod_type = list(stack.values())[-1]
-        path = re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", str(path)) or "model"  # Dynamo's L['self'].a.b → a.b
-        if isinstance(mod_type, type) and issubclass(mod_type, torch.nn.Linear) and "." in path:
-            path = path.rsplit(".", 1)[0]  # the Linear's parent is the FFN module
+        path = _readable_path(str(path))
+        if isinstance(mod_type, type) and _is_leaf_of_ffn(mod_type) and "." in path:
+            path = path.rsplit(".", 1)[0]  # a projection's or an activation's parent is the FFN module
         return path
     trace = node.meta.get("stack_trace")
     if trace:
@@ -198,6 +198,22 @@ def where(node: fx.Node) -> str:
         if lines:
             return lines[-1]
     return node.name
+
+
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")  # nn.ReLU, HF's ACT2FN classes
+
+
+def _is_leaf_of_ffn(mod_type: type) -> bool:
+    return issubclass(mod_type, torch.nn.Linear) or mod_type.__module__ in _ACTIVATION_MODULES
+
+
+def _readable_path(path: str) -> str:
+    """Dynamo's source of a module as a dotted path: ``L['self'].a.b`` → ``a.b``, and a wrapper's
+    ``__dict__['_modules']['base_model']`` (PEFT) → ``base_model``."""
+    path = re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", path)
+    path = re.sub(r"(?:__dict__\[')?_modules'?\]?\['([^']+)'\]", r"\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return re.sub(r"\.{2,}", ".", path).strip(".") or "model"
 
 
 def _single_user(nodes: list[fx.Node], final: fx.Node) -> Optional[fx.Node]:
@@ -220,8 +236,15 @@ def match_at_relu(act: fx.Node, gm: Optional[fx.GraphModule] = None) -> Union[Ff
     first = as_projection(pre)
     loc = where(act)
     if first is None:
-        if gate_activation == "ReLU" and _projection_plus_term(pre):
+        if gate_activation != "ReLU":
+            return None
+        if _projection_plus_term(pre):
             return Skipped(loc, SkipReason.EXTRA_TERM, f"{act.name}'s input {getattr(pre, 'name', pre)} adds a term to a projection")
+        sharded = _sharded_projection(pre)
+        if sharded is not None:
+            return Skipped(loc, SkipReason.TENSOR_PARALLEL, f"{act.name} reads {sharded.out.name} through DTensor layout changes")
+        if isinstance(pre, fx.Node) and pre.op == "placeholder" and _feeds_rest_of_ffn(act):
+            return Skipped(loc, SkipReason.GRAPH_SPLIT, f"{act.name}'s input {pre.name} comes from an earlier graph")
         return None
     result = _match_from(act, first, loc, gm)
     if isinstance(result, FfnMatch):
@@ -241,6 +264,48 @@ def _projection_plus_term(node: object) -> bool:
     return is_add and any(as_projection(a) is not None for a in node.args) and not any(_is_tensor_node(a, 1) for a in node.args)
 
 
+# DTensor layout changes around a tensor-parallel linear (parallelize_module's hooks).
+_DTENSOR_METHODS = {"to_local", "redistribute", "wait"}
+
+
+def _sharded_projection(node: object) -> Optional[Projection]:
+    """A projection of DTensors that ``node`` reads through layout changes (``to_local``,
+    ``redistribute``), as tensor-parallel linears produce their local outputs."""
+    peeled = False
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in _DTENSOR_METHODS and node.args:
+        node, peeled = node.args[0], True
+    proj = as_projection(node) if peeled else None
+    if proj is None or not type(example_value(proj.weight)).__name__ == "DTensor":
+        return None
+    return proj
+
+
+def _adapted_down(hidden: fx.Node) -> bool:
+    """``hidden`` feeds a down projection that is ``x·Wᵀ + b`` plus another term of ``hidden``
+    (a LoRA-adapted down projection: ``base(h) + B(A(h))·s``)."""
+    for user in hidden.users:
+        proj = as_projection(user)
+        if proj is not None and len(user.users) == 1 and _projection_plus_term(next(iter(user.users))):
+            return True
+    return False
+
+
+def _feeds_rest_of_ffn(act: fx.Node) -> bool:
+    """Whether ``act`` (whose input came from another graph) goes on as an FFN would: into a
+    product with a projection, then a down projection, or straight into a down projection."""
+    if len(act.users) != 1:
+        return False
+    (user,) = act.users
+    operands = _mul_operands(user)
+    if operands is not None:
+        other = operands[1] if operands[0] is act else operands[0]
+        if as_projection(other) is None or len(user.users) != 1:
+            return False
+        (user,) = user.users
+    down = as_projection(user)
+    return down is not None and down.x is (act if operands is None else next(iter(act.users)))
+
+
 def _match_from(act: fx.Node, first: "Projection", loc: str, gm) -> Union[FfnMatch, Skipped]:
     def skip(reason: SkipReason, detail: str = "") -> Skipped:
         return Skipped(loc, reason, detail)
@@ -248,6 +313,8 @@ def _match_from(act: fx.Node, first: "Projection", loc: str, gm) -> Union[FfnMat
     if len(first.out.users) != 1:
         return skip(SkipReason.MULTI_USER, f"{first.out.name} feeds {len(first.out.users)} nodes")
     if len(act.users) != 1:
+        if _adapted_down(act):
+            return skip(SkipReason.EXTRA_TERM, f"{act.name} feeds a projection and another term")
         return skip(SkipReason.MULTI_USER, f"{act.name} feeds {len(act.users)} nodes")
     (user,) = act.users
     operands = _mul_operands(user)
@@ -255,12 +322,21 @@ def _match_from(act: fx.Node, first: "Projection", loc: str, gm) -> Union[FfnMat
         other = operands[1] if operands[0] is act else operands[0]
         gate, up, hidden = first, as_projection(other), user
         if up is None:
+            if isinstance(other, fx.Node) and other.op == "placeholder" and _is_tensor_node(other) \
+                    and example_value(other).shape == example_value(act).shape:
+                return skip(SkipReason.GRAPH_SPLIT, f"{act.name} is multiplied by {other.name}, from an earlier graph")
+            if _projection_plus_term(other):
+                return skip(SkipReason.EXTRA_TERM, f"{act.name} is multiplied by {other.name}, a projection plus a term")
+            if _sharded_projection(other) is not None:
+                return skip(SkipReason.TENSOR_PARALLEL, f"{act.name} is multiplied by {other.name}")
             return skip(SkipReason.NOT_AN_UP_PROJECTION, f"{act.name} is multiplied by {getattr(other, 'name', other)!r}")
         if up.x is not gate.x:
             return skip(SkipReason.NOT_AN_UP_PROJECTION, f"gate reads {gate.x.name}, up reads {up.x.name}")
         if len(up.out.users) != 1:
             return skip(SkipReason.MULTI_USER, f"{up.out.name} feeds {len(up.out.users)} nodes")
         if len(hidden.users) != 1:
+            if _adapted_down(hidden):
+                return skip(SkipReason.EXTRA_TERM, f"{hidden.name} feeds a projection and another term")
             return skip(SkipReason.MULTI_USER, f"{hidden.name} feeds {len(hidden.users)} nodes")
         (down_node,) = hidden.users
     else:

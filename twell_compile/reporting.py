@@ -23,6 +23,7 @@ class SkipReason(enum.Enum):
     MIXED_DTYPES = "the inputs and weights have different dtypes outside autocast"
     MIXED_DEVICES = "the inputs and weights are on different devices"
     NOT_WHOLE_MODULE = "the module's forward does more than the FFN, so patch() cannot replace it (torch.compile can)"
+    EXTRA_INPUTS = "the module's forward takes more than one input, so patch() cannot replace it (torch.compile can)"
     GRAPH_SPLIT = ("the FFN is cut by a graph boundary (a DDP bucket split or a graph break), so no graph holds all of it: "
                    "patch the model before wrapping it (twell_compile.patch, or TWELL=1), or set "
                    "torch._dynamo.config.optimize_ddp = False")
@@ -31,6 +32,8 @@ class SkipReason(enum.Enum):
     NOT_RELU = "the gate activation is not ReLU: relu_gate=True (TWELL_RELU_GATE=1) trains it as a ReLU FFN"
     TRACE_FAILED = "torch.fx could not trace the module, so patch() cannot tell whether it is an FFN"
     PATCH_FALLBACK = "a patched module runs its own forward, without the TwELL op or its L1 term"
+    TENSOR_PARALLEL = ("the projections' weights are sharded DTensors (tensor parallelism), which the TwELL ops do not "
+                       "take (docs/distributed.md)")
     INTERNAL_ERROR = "the matcher failed unexpectedly; the graph was left unchanged"
 
     @property

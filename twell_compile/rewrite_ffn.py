@@ -2,7 +2,8 @@
 
 One orchestrating function, ``rewrite_ffns``, runs in this order:
 
-1. match (``match_ffn.find_ffns``): read-only, so a failure leaves the graph untouched;
+1. match (``match_ffn.find_ffns``), in the graph and in its activation-checkpoint bodies
+   (``regions``): read-only, so a failure leaves the graph's function untouched;
 2. name: the model that called this graph and the FFNs' full paths in it (``module_paths``);
    SiLU/GELU gates are kept only with ``relu_gate``;
 3. strict check: with ``strict=True`` any skipped pattern raises before the graph is edited;
@@ -26,6 +27,7 @@ from .lowering import mark_cuda_graph_layers
 from .match_ffn import FfnMatch, example_value, find_ffns, where
 from .module_paths import ModelIndex, calling_modules, display_name, real_tensor
 from .options import TwellOptions
+from .regions import Region, graph_regions
 from .reporting import Rewritten, SkipReason, Skipped
 
 
@@ -41,21 +43,29 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
     memory rules the ops then follow (``lowering.mark_cuda_graph_layers``)."""
     loss_scaling_hooks.install()
     owner = GraphOwner.of_calling_code()
-    kept, skipped = select_ffns(gm, options, owner, graph_name)
+    selected, skipped = [], []
+    for region in graph_regions(gm):  # the graph, then its activation-checkpoint bodies
+        kept, region_skipped = select_ffns(region.gm, options, owner, graph_name, region.outer)
+        selected.append((region, kept))
+        skipped += region_skipped
     if options.strict and skipped:
         reporting.record([], skipped)
         details = "\n".join(f"  - {s}" for s in skipped)
         raise TwellRewriteError(f"twell (strict=True): {len(skipped)} FFN-like pattern(s) cannot be rewritten:\n{details}")
     fake_mode = _fake_mode(gm)
-    rewritten = []
-    replaced: dict[fx.Node, fx.Node] = {}  # down-projection output → op output, for chained FFNs
-    for m in kept:
-        rewritten.append(_rewrite_one(gm, m, options, owner, fake_mode, graph_name, replaced))
-    if kept:
+    rewritten, weights = [], []
+    for region, kept in selected:
+        replaced: dict[fx.Node, fx.Node] = {}  # down-projection output → op output, for chained FFNs
+        for m in kept:
+            rewritten.append(_rewrite_one(region, m, options, owner, fake_mode, graph_name, replaced))
+            weights += [region.outer(p.weight) for p in (m.gate, m.up, m.down) if p is not None]
+        if kept:
+            region.finish()
+    if rewritten:
         gm.graph.lint()
         gm.recompile()
         # The graph now carries these FFNs' layers: Dynamo must not reuse it for other modules.
-        graph_guards.specialize(p.weight for m in kept for p in (m.gate, m.up, m.down) if p is not None)
+        graph_guards.specialize(weights)
     if cuda_graphs:
         mark_cuda_graph_layers(r.layer for r in rewritten)
     reporting.record(rewritten, skipped)
@@ -64,14 +74,16 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
     return rewritten, skipped
 
 
-def select_ffns(gm: fx.GraphModule, options: TwellOptions, owner: "GraphOwner", graph_name: str = ""):
-    """The FFNs of ``gm`` to rewrite, in graph order, and the FFN-like patterns left alone."""
+def select_ffns(gm: fx.GraphModule, options: TwellOptions, owner: "GraphOwner", graph_name: str = "",
+                outer=lambda node: node):
+    """The FFNs of ``gm`` to rewrite, in graph order, and the FFN-like patterns left alone.
+    ``outer`` maps a checkpoint body's placeholders to the Dynamo graph's (``regions``)."""
     matches, found_skips = find_ffns(gm)
     skipped = [Skipped(owner.full(s.where), s.reason, s.detail, graph_name) for s in found_skips]
     kept = []
     for m in matches:
         if m.gate_activation != "ReLU" and not options.relu_gate:
-            skipped.append(Skipped(owner.name(m), SkipReason.NOT_RELU, m.gate_activation, graph_name))
+            skipped.append(Skipped(owner.name(m, outer), SkipReason.NOT_RELU, m.gate_activation, graph_name))
         else:
             kept.append(m)
     return _non_overlapping(kept), skipped
@@ -134,14 +146,16 @@ class GraphOwner:
 
     def full(self, relative: str) -> str:
         """A Dynamo-relative module path (``mlp``) as a full one (``model.layers.3.mlp``)."""
-        if not self.prefix or relative.startswith("File "):
+        if not self.prefix:
             return relative
+        if relative.startswith("File "):  # a frame resumed after a graph break has no module stack
+            return f"{self.prefix} ({relative})"
         return self.prefix if relative in ("", "model") else f"{self.prefix}.{relative}"
 
-    def layer_of(self, m: FfnMatch) -> tuple[Optional[nn.Module], object, str]:
+    def layer_of(self, m: FfnMatch, outer=lambda node: node) -> tuple[Optional[nn.Module], object, str]:
         """``(model, identity, name)`` of a matched FFN: its full path in the model when its down
         weight is one of the model's parameters, else a key unique to its weights."""
-        down = real_tensor(m.down.weight)
+        down = real_tensor(outer(m.down.weight))
         path = self.index.ffn_path(down) if self.index is not None else None
         if path is not None:
             return self.model, path, display_name(self.model, path)
@@ -150,8 +164,8 @@ class GraphOwner:
             return None, ("tensor", id(down)), name
         return None, ("node", id(m.down.out.graph), m.down.out.name), name
 
-    def name(self, m: FfnMatch) -> str:
-        return self.layer_of(m)[2]
+    def name(self, m: FfnMatch, outer=lambda node: node) -> str:
+        return self.layer_of(m, outer)[2]
 
 
 def _warn_nothing_rewritten(owner: GraphOwner, skipped: list[Skipped], graph_name: str) -> None:
@@ -175,11 +189,11 @@ def _non_overlapping(matches: list[FfnMatch]) -> list[FfnMatch]:
     return kept
 
 
-def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, owner: GraphOwner, fake_mode, graph_name: str,
+def _rewrite_one(region: Region, m: FfnMatch, options: TwellOptions, owner: GraphOwner, fake_mode, graph_name: str,
                  replaced: dict) -> Rewritten:
-    graph = gm.graph
+    graph = region.gm.graph
     device = example_value(m.x).device
-    model, identity, name = owner.layer_of(m)
+    model, identity, name = owner.layer_of(m, region.outer)
     hidden = example_value(m.up.weight).shape[0]
     layer = layers.register(model, identity, name, device, hidden=hidden, l1_coeff=options.l1_coeff)
     density_control.control(layer.model, options.target_density, options.l1_coeff, options.l1_coeff_max)
@@ -206,9 +220,10 @@ def _rewrite_one(gm: fx.GraphModule, m: FfnMatch, options: TwellOptions, owner: 
             cast(m.down.bias),
         )
     if m.training:
-        coeff = _coefficient_snapshot(gm, layer, device, fake_mode)
-        factor = _graph_tensor(gm, f"_twell_l1_factor_{layer.model.index}_{_device_tag(device)}",
-                               layers.factor(layer.model, device), fake_mode)
+        top = region.top  # the L1 tensors live in the Dynamo graph (lifted by AOTAutograd)
+        coeff = region.thread(_coefficient_snapshot(top, layer, device, fake_mode))
+        factor = region.thread(_graph_tensor(top, f"_twell_l1_factor_{layer.model.index}_{_device_tag(device)}",
+                                             layers.factor(layer.model, device), fake_mode))
         with graph.inserting_before(m.down.out):
             call = _with_meta(graph.call_function(torch.ops.twell.ffn_train.default, (*args, coeff, factor, layer.id)),
                               fake_mode)

@@ -166,3 +166,27 @@ def test_llama_patch_matches_eager_and_rewrites_each_mlp():
     with torch.no_grad():
         assert_close(model(tokens).logits, ref(tokens).logits, rtol=1e-4, atol=1e-5, name="logits")
     assert len(twell_compile.stats().layers) == LAYERS
+
+
+@pytest.mark.parametrize("targets", [["gate_proj"], ["up_proj"], ["down_proj"], ["gate_proj", "up_proj", "down_proj"]])
+def test_backend_twell_names_a_lora_adapted_ffn_and_the_remedy(targets):
+    """Whichever projection carries the adapter, the skip says so (a projection plus a term) and
+    names the FFN by its path in the PEFT model; ``strict=True`` raises."""
+    import peft
+
+    from tests.ffn_models import unwrap
+
+    model, _ = llama(mlp_bias=False)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
+                                                      init_lora_weights=False))
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(RuntimeWarning, match="merge_and_unload"):
+        torch.compile(lora, backend="twell", options={"inner": "aot_eager"})(input_ids=ids, labels=ids).loss.backward()
+    report = twell_compile.report()
+    assert not report.rewritten
+    assert [s.reason for s in report.skipped] == [twell_compile.SkipReason.EXTRA_TERM] * LAYERS
+    assert [s.where for s in report.skipped] == [f"base_model.model.model.layers.{i}.mlp" for i in range(LAYERS)]
+    reset_state()
+    with pytest.raises(Exception) as info:
+        torch.compile(lora, backend="twell", options={"inner": "aot_eager", "strict": True})(input_ids=ids)
+    assert isinstance(unwrap(info.value), twell_compile.TwellRewriteError)

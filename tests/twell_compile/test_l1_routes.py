@@ -42,6 +42,20 @@ class BrokenStack(ResidualStack):
         return x
 
 
+class CheckpointedStack(ResidualStack):
+    """Each layer under non-reentrant activation checkpointing: Dynamo traces it as a
+    ``tag_activation_checkpoint`` body, which the backend rewrites like the graph itself."""
+
+    checkpointed = True
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for layer in self.layers:
+            x = x + (checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x))
+        return x
+
+
 def _model(cls=ResidualStack):
     torch.manual_seed(0)
     return cls(D, H, n=3, kinds=("gated", "plain"))
@@ -71,6 +85,7 @@ ROUTES = {
     "per layer": (ResidualStack, _compile_per_layer),
     "graph breaks between layers": (BrokenStack, _compile_whole),
     "patch": (ResidualStack, _patched),
+    "activation checkpointing": (CheckpointedStack, _compile_whole),
 }
 
 
@@ -79,12 +94,16 @@ def test_every_route_gives_the_eager_gradients_of_the_mean_over_layers(route):
     cls, prepare = ROUTES[route]
     model = _model(cls)
     ref = copy.deepcopy(model)
+    ref.checkpointed = False  # the oracle's hooks must not run again in a recomputation
     x = torch.randn(2, 5, D)
     run = prepare(model)
-    _loss(run(x)).backward()
+    for step in range(2):  # the second step reuses the compiled graphs
+        model.zero_grad()
+        ref.zero_grad()
+        _loss(run(x)).backward()
+        eager_loss(ref, lambda: ref(x), _loss, L1).backward()
+        assert_grads_close(model, ref, rtol=1e-4, atol_frac=1e-5, prefix=f"step {step}: ")
     assert len(twell_compile.report().rewritten) == 3
-    eager_loss(ref, lambda: ref(x), _loss, L1).backward()
-    assert_grads_close(model, ref, rtol=1e-4, atol_frac=1e-5)
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
@@ -232,23 +251,61 @@ def test_a_module_called_twice_adds_two_l1_terms_on_every_route():
     assert results["compile"] == results["patch"] == {"ffn", "other"}
 
 
-def test_an_ffn_cut_by_a_graph_break_is_reported_as_such():
+@pytest.mark.parametrize("cut", ["after the gate projection", "after the ReLU", "after the up projection",
+                                 "after the product"])
+def test_an_ffn_cut_by_a_graph_break_is_reported_as_such(cut):
     class Cut(nn.Module):
         def __init__(self):
             super().__init__()
             self.gate, self.up, self.down = nn.Linear(D, H), nn.Linear(D, H), nn.Linear(H, D)
 
         def forward(self, x):
-            h = torch.relu(self.gate(x)) * self.up(x)
-            torch._dynamo.graph_break()
+            g = self.gate(x)
+            if cut == "after the gate projection":
+                torch._dynamo.graph_break()
+            a = torch.relu(g)
+            if cut == "after the ReLU":
+                torch._dynamo.graph_break()
+            u = self.up(x)
+            if cut == "after the up projection":
+                torch._dynamo.graph_break()
+            h = a * u
+            if cut == "after the product":
+                torch._dynamo.graph_break()
             return self.down(h)
 
     with pytest.warns(RuntimeWarning, match="no FFN of Cut has been rewritten.*graph boundary"):
-        torch.compile(Cut(), backend="twell", options=OPTIONS)(torch.randn(2, D)).sum().backward()
+        torch.compile(Cut(), backend="twell", options=OPTIONS)(torch.randn(2, D, requires_grad=True)).sum().backward()
     report = twell_compile.report()
     assert not report.rewritten
     assert [s.reason for s in report.skipped] == [SkipReason.GRAPH_SPLIT]
     assert "optimize_ddp" in SkipReason.GRAPH_SPLIT.text and "patch" in SkipReason.GRAPH_SPLIT.text
+    from tests.ffn_models import unwrap
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(Cut(), backend="twell", options={**OPTIONS, "strict": True})(torch.randn(2, D)).sum()
+    assert isinstance(unwrap(info.value), TwellRewriteError)
+
+
+def test_a_tensor_parallel_ffn_is_reported_as_such():
+    """``parallelize_module`` hands the projections DTensor weights, which the ops do not take."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = nn.Sequential(GatedFFN(D, H))
+        parallelize_module(model[0], init_device_mesh("cpu", (1,)),
+                           {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
+        with pytest.warns(RuntimeWarning, match="tensor parallelism"):
+            torch.compile(model, backend="twell", options=OPTIONS)(torch.randn(2, D)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    report = twell_compile.report()
+    assert not report.rewritten
+    assert [s.reason for s in report.skipped] == [SkipReason.TENSOR_PARALLEL]
 
 
 def test_the_nothing_rewritten_warning_comes_once_and_strict_raises():
