@@ -13,7 +13,9 @@ multiplied by the same ``S``, so that
 ``S`` is the product of two parts:
 
 * the GradScaler's scale, read on the device (no host sync) for the backward of a tensor that
-  ``GradScaler.scale`` returned (``loss_scaling_hooks.py``), and 1 otherwise;
+  ``GradScaler.scale`` returned (``loss_scaling_hooks.py``), and 1 otherwise. The end of that
+  backward ends it; a backward that raises never gets there, so its scale also ends when the
+  scaled tensor is released, or at the next host factor change made while no backward runs;
 * a host factor, 1 unless the training loop says otherwise: ``set_loss_scale(1 / K)``, or
   ``with loss_scale(1 / K): ...`` around the backward. accelerate's ``Accelerator.backward`` and the
   Hugging Face Trainer (``integrations.TwellCallback``) set it from their accumulation steps.
@@ -34,6 +36,7 @@ import torch
 _lock = threading.RLock()
 _factor = 1.0  # the host factor
 _scaler_scale: Optional[torch.Tensor] = None  # a GradScaler's scale, during the backward it scaled
+_scaled_by: Optional[object] = None  # the hook that set it: only its end, or a stale check, clears it
 
 
 def get_loss_scale() -> float:
@@ -53,6 +56,8 @@ def set_loss_scale(factor: float) -> None:
     _check_factor(factor)
     with _lock:
         _factor = float(factor)
+        if _stale():
+            _clear_scale()
         _refresh()
 
 
@@ -72,19 +77,31 @@ def loss_scale(factor: float) -> Iterator[None]:
         set_loss_scale(previous)
 
 
-def begin_scaled_backward(scale: torch.Tensor) -> None:
-    """A backward of ``GradScaler.scale(loss)`` starts: ``scale`` (its device tensor) joins ``S``."""
-    global _scaler_scale
+def begin_scaled_backward(scale: torch.Tensor, token: object) -> None:
+    """A backward of ``GradScaler.scale(loss)`` starts: ``scale`` (its device tensor) joins ``S``
+    until ``end_scaled_backward(token)``."""
+    global _scaler_scale, _scaled_by
     with _lock:
-        _scaler_scale = scale
+        _scaler_scale, _scaled_by = scale, token
         _refresh()
 
 
-def end_scaled_backward() -> None:
-    global _scaler_scale
+def end_scaled_backward(token: object) -> None:
+    """The scaled backward ``token`` is over (a later one's scale, if any, stays)."""
     with _lock:
-        _scaler_scale = None
-        _refresh()
+        if _scaled_by is token:
+            _clear_scale()
+            _refresh()
+
+
+def _stale() -> bool:
+    # -1: no backward is running on this thread, so none owns the scale.
+    return _scaler_scale is not None and torch._C._current_graph_task_id() == -1
+
+
+def _clear_scale() -> None:
+    global _scaler_scale, _scaled_by
+    _scaler_scale = _scaled_by = None
 
 
 def write_scaled(dst: torch.Tensor, value: float, device: str) -> None:
