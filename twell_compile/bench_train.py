@@ -18,10 +18,11 @@ loop runs between two loss readings), timed from a synchronised start to a synch
 step time a user sees, host stalls included. Every turn reports, per variant: the training loss
 (mean over the turn), the validation loss (fixed held-out batches), the FFN density (per layer and
 mean: twell's counters; for Inductor, measured with hooks on an eager forward of one validation
-batch), how many layers ran sparse, the L1 coefficient, dead neurons, and the step time.
+batch), each layer's path (sparse or dense), the L1 coefficient, dead neurons, and the step time.
 
-Writes ``train.csv`` (one row per variant and turn) and ``train.png`` (loss, density and step time
-against Inductor's, against the step) into ``--out``.
+Writes ``train.csv`` (one row per variant and turn) and ``train.png`` (validation loss, density,
+coefficient, dead neurons, step time and speed against the first variant, against the step) into
+``--out``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class TrainRow:
     density: float  # mean over layers of active units / intermediate size
     density_per_layer: str  # ";"-separated, one per layer
     sparse_layers: int  # layers whose last call ran the sparse path (-1: not a twell variant)
+    paths: str  # each layer's last path, in layer order: S sparse, D dense ("-": not a twell variant)
     layers: int
     l1_coeff: float  # mean over layers (NaN: not a twell variant)
     dead_neurons: float  # mean share per layer (NaN: not measured)
@@ -292,7 +294,8 @@ def observe(v: Variant, batches: Batches, cfg: TrainConfig) -> dict:
     if not v.twell:
         with trained_function(v) as model:
             per_layer = hook_densities(model, batches.val_set[0], cfg)
-        return dict(per_layer=per_layer, sparse_layers=-1, l1_coeff=float("nan"), dead=float("nan"), variant="-")
+        return dict(per_layer=per_layer, sparse_layers=-1, paths="-", l1_coeff=float("nan"), dead=float("nan"),
+                    variant="-")
     import twell_compile
 
     layers = twell_compile.stats(v.model).layers
@@ -300,6 +303,7 @@ def observe(v: Variant, batches: Batches, cfg: TrainConfig) -> dict:
     coeffs = [s.l1_coeff for s in layers if s.l1_coeff is not None]
     dead = [s.dead_neurons for s in layers if s.dead_neurons is not None]
     return dict(per_layer=per_layer, sparse_layers=sum(s.path == "sparse" for s in layers),
+                paths="".join("S" if s.path == "sparse" else "D" for s in layers),
                 l1_coeff=statistics.fmean(coeffs) if coeffs else float("nan"),
                 dead=statistics.fmean(dead) if dead else float("nan"), variant=_graph_variant(v))
 
@@ -346,7 +350,8 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print, on_rows: Optional[
             per_layer = seen["per_layer"]
             rows.append(TrainRow(last, v.name, v.losses[-1], val_loss(v, batches, cfg),
                                  statistics.fmean(per_layer) if per_layer else float("nan"),
-                                 ";".join(f"{d:.5f}" for d in per_layer), seen["sparse_layers"], len(per_layer),
+                                 ";".join(f"{d:.5f}" for d in per_layer), seen["sparse_layers"], seen["paths"],
+                                 len(per_layer),
                                  seen["l1_coeff"], seen["dead"], seen["variant"], times[v.name],
                                  times[baseline] / times[v.name]))
         log(format_turn(rows[-len(variants):]))
@@ -370,7 +375,7 @@ def _progress(total: int, enabled: bool):
 def format_turn(rows: list[TrainRow]) -> str:
     lines = [f"step {rows[0].step}:"]
     for r in rows:
-        sparse = "" if r.sparse_layers < 0 else f", {r.sparse_layers}/{r.layers} layers sparse"
+        sparse = "" if r.sparse_layers < 0 else f", {r.sparse_layers}/{r.layers} layers sparse (paths {r.paths})"
         coeff = "" if math.isnan(r.l1_coeff) else f", l1 {r.l1_coeff:.3g}"
         dead = "" if math.isnan(r.dead_neurons) else f", dead {r.dead_neurons:.1%}"
         dead += "" if r.graph_variant == "-" else f", variant {r.graph_variant}"
@@ -413,20 +418,32 @@ def write_plot(rows: list[TrainRow], path: Path, title: str) -> Optional[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, grid = plt.subplots(2, 3, figsize=(16, 9))
+    loss, density, coeff, dead, step_ms, speed = grid.flat
     for name in dict.fromkeys(r.variant for r in rows):
         mine = [r for r in rows if r.variant == name]
         steps = [r.step for r in mine]
-        axes[0].plot(steps, [r.val_loss for r in mine], label=f"{name} (val)")
-        axes[1].plot(steps, [max(r.density, 1e-6) for r in mine], label=name)
-        axes[2].plot(steps, [r.ratio for r in mine], label=name)
-    axes[0].set(xlabel="step", ylabel="validation loss (bytes, nats)", title="loss")
-    axes[1].set(xlabel="step", ylabel="FFN density (mean over layers)", yscale="log", title="density")
-    axes[2].set(xlabel="step", ylabel=f"speed vs {rows[0].variant} (step-time ratio)", title="speed")
-    axes[2].axhline(1.0, color="grey", lw=0.8)
-    for ax in axes:
+        loss.plot(steps, [r.val_loss for r in mine], label=f"{name} (val)")
+        density.plot(steps, [max(r.density, 1e-6) for r in mine], label=name)
+        if not all(math.isnan(r.l1_coeff) for r in mine):  # twell variants only
+            coeff.plot(steps, [r.l1_coeff for r in mine], label=name)
+        if not all(math.isnan(r.dead_neurons) for r in mine):
+            dead.plot(steps, [r.dead_neurons for r in mine], label=name)
+        step_ms.plot(steps, [r.step_ms for r in mine], label=name)
+        speed.plot(steps, [r.ratio for r in mine], label=name)
+    loss.set(xlabel="step", ylabel="validation loss (bytes, nats)", title="loss")
+    density.set(xlabel="step", ylabel="FFN density (mean over layers)", yscale="log", title="density")
+    coeff.set(xlabel="step", ylabel="L1 coefficient (mean over layers)", yscale="log", title="coefficient")
+    dead.set(xlabel="step", ylabel="dead neurons (mean share over layers)", title="dead neurons")
+    dead.set_ylim(bottom=0)
+    step_ms.set(xlabel="step", ylabel="ms a step (turn mean, host time included)", yscale="log",
+                title="step time (the first turn compiles)")
+    speed.set(xlabel="step", ylabel=f"speed vs {rows[0].variant} (step-time ratio)", title="speed")
+    speed.axhline(1.0, color="grey", lw=0.8)
+    for ax in grid.flat:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -19,9 +19,16 @@ would leave the densest layers on the dense path. The model's L1 term keeps its 
 over layers, each layer's term with its own coefficient).
 
 Safety: from a dense start (a fresh ReLU model is ~50% dense) the coefficient can grow by at most
-``exp(r)`` a step (2%: ×7 in 100 steps, ×50 in 200), so it climbs while the density falls and
-does not overshoot into dead neurons; it never exceeds ``l1_coeff_max`` (default 1000× the start,
-``l1_coeff``), which bounds what the language-model loss can pay.
+``exp(r)`` a step (2%: ×7 in 100 steps, ×50 in 200), so it climbs while the density falls; it
+never exceeds ``l1_coeff_max`` (default ``1000 · max(l1_coeff, 2e-5)``). That ceiling bounds the
+coefficient, hence the weight of the L1 term in the loss; nothing here bounds the language-model
+loss itself.
+
+Under ``torch.distributed`` (world size > 1) every rank steers on the density of the global batch:
+the counters (calls, tokens, active entries) are summed over the default process group before the
+density is computed, one small ``all_reduce`` per device and step, ordered on the stream (no host
+sync with NCCL). Every rank then computes the same coefficients. The collective relies on all
+ranks stepping their optimizer together with the same rewritten layers, as DDP and FSDP do.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from typing import Optional
 
 import torch
 
-# Controller constants (per optimizer step).
+# Controller constants (per optimizer step). Chosen by reasoning, not by a sweep: one H200 run
+# (docs/benchmarks.md, "Training from scratch") used them as they are; no other values were measured.
 GAIN = 0.05  # γ: log-coefficient change per unit log density error
 MAX_STEP = 0.02  # r: at most 2% a step, up or down
 SMOOTHING = 0.2  # β: the density's moving average
@@ -86,12 +94,16 @@ class DensityController:
             return
         from . import l1
 
+        reduce = _distributed()
         for key, (coeffs, buffers, hidden, smoothed) in self._tensors(model).items():
             with torch.no_grad():
-                record = torch.stack(buffers)  # [n, FIELDS]: calls, tokens, active, ...
-                tokens = record[:, 1].clamp(min=1.0)
-                density = (record[:, 2] / (tokens * hidden)).float()
-                seen = record[:, 0] > 0
+                counts = torch.stack(buffers)[:, :3]  # [n, 3]: each layer's calls, tokens, active entries
+                if reduce:
+                    counts = counts.contiguous()
+                    torch.distributed.all_reduce(counts)  # the global batch's counters, on every rank
+                tokens = counts[:, 1].clamp(min=1.0)
+                density = (counts[:, 2] / (tokens * hidden)).float()
+                seen = counts[:, 0] > 0
                 moved = torch.where(smoothed.isnan(), density, smoothed + SMOOTHING * (density - smoothed))
                 smoothed.data.copy_(torch.where(seen, moved, smoothed))  # the first reading starts the average
                 error = torch.log(smoothed.nan_to_num(self.target).clamp(min=1e-7) / self.target)
@@ -102,22 +114,35 @@ class DensityController:
         l1.changed()
 
     def _tensors(self, model) -> dict:
-        """Per device: the layers' live coefficients and telemetry buffers, gathered once (again
-        when the model gains a layer or a device)."""
+        """Per device: the layers' live coefficients and telemetry buffers, gathered once, and again
+        when the model gains a layer or a device, or a layer's coefficient tensor is replaced (a
+        recompile with another ``l1_coeff``): checked by identity, so the controller never steers
+        tensors no graph reads."""
         from .lowering import telemetry
 
-        layers = list(model.layers.values())
-        devices = {key for layer in layers for key in layer.coefficients}
-        if {k: len(v[0]) for k, v in self._state.items()} != {k: len(layers) for k in devices}:
+        live: dict[str, list] = {}  # in layer order, so every rank orders its collectives alike
+        for layer in model.layers.values():
+            for key, t in layer.coefficients.items():
+                live.setdefault(key, []).append(t)
+        if live.keys() != self._state.keys() or any(
+                len(ts) != len(self._state[key][0]) or any(a is not b for a, b in zip(ts, self._state[key][0]))
+                for key, ts in live.items()):
             self._state.clear()
-            for key in devices:
+            layers = list(model.layers.values())
+            for key in live:
                 present = [layer for layer in layers if key in layer.coefficients]
-                coeffs = [layer.coefficient(key) for layer in present]
+                coeffs = [layer.coefficients[key] for layer in present]
                 buffers = [telemetry.buffer(layer.id, key) for layer in present]
                 hidden = torch.tensor([float(layer.hidden) for layer in present], dtype=torch.float64, device=key)
                 smoothed = torch.full((len(present),), float("nan"), dtype=torch.float32, device=key)
                 self._state[key] = (coeffs, buffers, hidden, smoothed)
         return self._state
+
+
+def _distributed() -> bool:
+    """Whether the counters are summed over ranks: torch.distributed is up with more than one."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def control(model, target: Optional[float], l1_coeff: float, max_coeff: Optional[float]) -> None:

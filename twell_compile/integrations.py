@@ -6,13 +6,18 @@
   (the Trainer divides each micro-batch's loss by it, or normalises it by the accumulated batch's
   token count, which is the same for micro-batches of equal size), so the injected L1 term sums
   to one step on the whole batch (docs/usage.md, "Loss scaling");
-* at each logging step it adds twell's telemetry to the Trainer's logs and ``state.log_history``
-  (seen by the loggers called after it: all of them under ``TWELL=1``, which puts it first),
+* at each logging step it adds twell's telemetry to the Trainer's logs and ``state.log_history``,
   means over the rewritten layers:
   ``twell/density``, ``twell/l0`` (active neurons per token), ``twell/l1``, ``twell/l1_coeff``,
   ``twell/dead_neurons``, ``twell/dense_rows`` and ``twell/sparse_layers`` (how many layers ran the
-  sparse path). Reading them waits for the device, at the step where the Trainer itself reads the
-  loss.
+  sparse path), and per layer ``twell/sparse/<layer path>`` (1: sparse, 0: dense; off with
+  ``TwellCallback(layer_paths=False)``). Reading them waits for the device, at the step where the
+  Trainer itself reads the loss.
+
+A callback sees ``logs`` after the callbacks before it in the Trainer's list, and the Trainer
+puts those passed as ``callbacks=[...]`` after its reporting integrations (TensorBoard, W&B, ...).
+So when the Trainer finishes its set-up and again when training begins, ``TwellCallback`` moves
+itself to the front of the list, and every logger receives its keys.
 
 Under ``TWELL=1`` the callback is added to the Trainer on the model's first call. Otherwise::
 
@@ -30,8 +35,9 @@ import sys
 from typing import Optional
 
 
-def telemetry_logs(model=None) -> dict[str, float]:
-    """twell's telemetry as flat ``twell/...`` numbers: means over the (model's) rewritten layers."""
+def telemetry_logs(model=None, layer_paths: bool = False) -> dict[str, float]:
+    """twell's telemetry as flat ``twell/...`` numbers: means over the (model's) rewritten layers,
+    and with ``layer_paths`` each layer's path as ``twell/sparse/<layer path>`` (1.0 or 0.0)."""
     from .reporting import stats
 
     layers = stats(model).layers
@@ -51,6 +57,8 @@ def telemetry_logs(model=None) -> dict[str, float]:
         "twell/dense_rows": mean(s.dense_rows for s in layers),
         "twell/sparse_layers": float(sum(s.path == "sparse" for s in layers)),
     }
+    if layer_paths:  # numbers, not a string: MLflow and others drop (and warn about) strings
+        logs.update({f"twell/sparse/{s.where}": float(s.path == "sparse") for s in layers})
     return {k: v for k, v in logs.items() if v is not None}
 
 
@@ -63,7 +71,14 @@ def _callback_class():
     class TwellCallback(TrainerCallback):
         """Gradient accumulation's loss scale for twell's L1 term, and twell's telemetry in the logs."""
 
+        def __init__(self, layer_paths: bool = True):
+            self.layer_paths = layer_paths
+
+        def on_init_end(self, args, state, control, **kwargs):
+            _move_to_front(self)
+
         def on_train_begin(self, args, state, control, **kwargs):
+            _move_to_front(self)  # again: the user may have added it after the Trainer's set-up
             set_loss_scale(1.0 / max(1, args.gradient_accumulation_steps))
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -73,7 +88,7 @@ def _callback_class():
             set_loss_scale(1.0)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            found = telemetry_logs(kwargs.get("model"))
+            found = telemetry_logs(kwargs.get("model"), layer_paths=self.layer_paths)
             if logs is not None:
                 logs.update(found)  # what the callbacks after this one report
             if state.log_history:
@@ -81,6 +96,23 @@ def _callback_class():
 
     TwellCallback.__module__ = __name__
     return TwellCallback
+
+
+def _move_to_front(callback) -> None:
+    """Put ``callback`` first in the list of the ``CallbackHandler`` calling it (found on the
+    stack, as the handler passes no reference to itself): the loggers after it then receive what
+    its ``on_log`` adds. The handler gets a new list, so an event iterating the old one is
+    undisturbed."""
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        handler = frame.f_locals.get("self")
+        if isinstance(handler, CallbackHandler) and any(cb is callback for cb in handler.callbacks):
+            if handler.callbacks[0] is not callback:
+                handler.callbacks = [callback, *(cb for cb in handler.callbacks if cb is not callback)]
+            return
+        frame = frame.f_back
 
 
 def attach_to_running_trainer() -> bool:

@@ -12,9 +12,16 @@ Per FFN, between ``h`` and the down projection, one call of ``dense_hidden``:
 * it writes the layer's counters into its telemetry buffer, as the TwELL ops' kernels do: the
   call, its tokens, the active entries of ``act(gate)``, the path (dense) and, in training,
   ``(1/T) Σ|h|``: two full reductions over ``[T, H]``, which Inductor fuses with the activation.
-  Left out, as too costly for every step of a dense layer (they cost this variant ~5% of a step of
-  a 768-wide 12-layer model on an H200): the rows that would overflow a TwELL tile (a TwELL trial
-  measures their cost anyway) and which neurons fired (dead neurons are sampled by the TwELL ops).
+  Left out, as too costly for every step of a dense layer: the rows that would overflow a TwELL
+  tile (a TwELL trial measures their cost anyway). With them, and with which neurons fired read
+  from every token, the counters cost this variant ~5% of a step of a 768-wide 12-layer model on
+  an H200;
+* in training, which neurons fired, for ``stats()``'s dead neurons, into the same state the TwELL
+  ops update (``telemetry.fired_state``): sampled, as the ops sample every 8th eager call, but
+  here one token in ``FIRED_EVERY`` of every call (a graph cannot skip calls without a host
+  decision), at an offset that turns with the call count so every position is read in turn. The
+  gather, a column ``any`` and an ``[H]`` update read 1/8 of ``act``; its cost on a GPU was not
+  measured.
 
 A SiLU/GELU gate converted by ``relu_gate`` becomes ``relu`` here too, so both variants compute
 the same function.
@@ -30,6 +37,10 @@ from torch import fx
 
 from .lowering import telemetry
 from .match_ffn import FfnMatch, example_value
+
+
+# One token in 8 per call: as many sampled tokens per step as the TwELL ops' every 8th call.
+FIRED_EVERY = 8
 
 
 class _InjectL1(torch.autograd.Function):
@@ -48,13 +59,32 @@ class _InjectL1(torch.autograd.Function):
         return dh + scale * torch.sign(h), None, None
 
 
-def dense_hidden(h, act, record, coeff: Optional[torch.Tensor], factor: Optional[torch.Tensor]):
-    """``h``, with the L1 backward (when ``coeff`` is given) and the call's counters written."""
+def dense_hidden(h, act, record, coeff: Optional[torch.Tensor], factor: Optional[torch.Tensor],
+                 last: Optional[torch.Tensor] = None, seen: Optional[torch.Tensor] = None):
+    """``h``, with the L1 backward (when ``coeff`` is given) and the call's counters written; in
+    training, with ``last``/``seen`` (the layer's ``telemetry.fired_state``), the sampled firings."""
     with torch.no_grad():
+        if coeff is not None and last is not None:
+            _record_fired(act.detach(), record, last, seen)  # reads the call count before it moves
         _write_counters(h.detach(), act.detach(), record, coeff is not None)
     if coeff is None:
         return h
     return _InjectL1.apply(h, coeff, factor)
+
+
+def _record_fired(act, record, last, seen) -> None:
+    """``telemetry.record_fired`` on a sample of the call's tokens, as graph ops: rows
+    ``offset, offset + FIRED_EVERY, ...`` of ``act`` [T, H], with ``offset`` the call count mod
+    ``FIRED_EVERY`` (one row, turning, when T < FIRED_EVERY)."""
+    rows = act.reshape(-1, act.shape[-1])
+    tokens = rows.shape[0]
+    sampled = max(1, tokens // FIRED_EVERY)
+    offset = torch.remainder(record[0], FIRED_EVERY).long()
+    idx = torch.remainder(torch.arange(sampled, device=rows.device) * FIRED_EVERY + offset, tokens)
+    fired = (rows.index_select(0, idx) > 0).any(dim=0)  # [H]
+    now = seen + sampled
+    last.copy_(torch.where(fired, now, last))
+    seen.copy_(now)
 
 
 def _write_counters(h, act, record, training: bool) -> None:
@@ -84,9 +114,13 @@ def rewrite_dense(gm: fx.GraphModule, match: FfnMatch, layer_id: int, coeff: Opt
         if match.gate is None:
             match.hidden = relu
     record = tensor_node(f"_twell_record_{layer_id}", telemetry.buffer(layer_id, device))
+    fired = (None, None)
+    if coeff is not None:  # made at rewrite time (``telemetry.ensure``), never in a CUDA-graph warm-up
+        last, seen = telemetry.fired_state(layer_id, device, example_value(match.up.weight).shape[0])
+        fired = (tensor_node(f"_twell_fired_last_{layer_id}", last), tensor_node(f"_twell_fired_seen_{layer_id}", seen))
     down_input = match.hidden
     with graph.inserting_after(down_input):
-        node = graph.call_function(dense_hidden, (down_input, match.act, record, coeff, factor))
+        node = graph.call_function(dense_hidden, (down_input, match.act, record, coeff, factor, *fired))
     node.meta["example_value"] = example_value(down_input)
     for user in list(down_input.users):
         if user is not node:

@@ -14,21 +14,35 @@ TINY = ["--device", "cpu", "--hidden", "32", "--intermediate", "128", "--layers"
         "--baseline-backend", "aot_eager", "--twell-inner", "aot_eager", "--no-progress"]
 
 
-def test_bench_train_writes_a_row_per_variant_and_turn_and_a_plot(tmp_path, capsys):
-    argv = ["--train", *TINY, "--variants", "inductor", "twell", "silu-relu-gate", "--target-density", "0.01",
-            "--out", str(tmp_path)]
+def test_bench_train_writes_a_row_per_variant_and_turn_and_a_plot(tmp_path, capsys, monkeypatch):
+    from twell_compile.lowering import telemetry
+
+    monkeypatch.setattr(telemetry, "DEAD_WINDOW_TOKENS", 32)  # a turn is 2 steps of 2 x 16 tokens
+    variants = ["inductor", "twell", "twell-fixed", "silu-relu-gate", "silu"]
+    argv = ["--train", *TINY, "--variants", *variants, "--target-density", "0.01", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     rows = list(csv.DictReader((tmp_path / "train.csv").open()))
-    assert [(r["step"], r["variant"]) for r in rows] == [
-        ("2", "inductor"), ("2", "twell"), ("2", "silu-relu-gate"), ("4", "inductor"), ("4", "twell"), ("4", "silu-relu-gate")]
+    assert [(r["step"], r["variant"]) for r in rows] == [(step, v) for step in ("2", "4") for v in variants]
     for r in rows:
         assert float(r["train_loss"]) > 0 and float(r["val_loss"]) > 0 and float(r["step_ms"]) > 0
         assert 0 < float(r["density"]) <= 1 and len(r["density_per_layer"].split(";")) == 2
-    twell = [r for r in rows if r["variant"] == "twell"]
-    assert all(float(r["l1_coeff"]) > 0 and int(r["sparse_layers"]) >= 0 for r in twell)
+    twell = [r for r in rows if r["variant"] in ("twell", "twell-fixed", "silu-relu-gate")]
+    for r in twell:
+        assert float(r["l1_coeff"]) > 0 and 0 <= float(r["dead_neurons"]) <= 1
+        assert len(r["paths"]) == 2 and set(r["paths"]) <= {"S", "D"} and r["paths"].count("S") == int(r["sparse_layers"])
+    baselines = [r for r in rows if r["variant"] in ("inductor", "silu")]
+    assert all(r["paths"] == "-" and r["l1_coeff"] == "nan" for r in baselines)
+    fixed = [float(r["l1_coeff"]) for r in rows if r["variant"] == "twell-fixed"]
+    assert fixed == pytest.approx([2e-5, 2e-5])  # the default coefficient, not steered
+    steered = [float(r["l1_coeff"]) for r in rows if r["variant"] == "twell"]
+    assert steered[1] > steered[0] > 2e-5  # ~50% dense against a 1% target: the coefficient climbs
     assert (tmp_path / "train.png").stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "speed vs inductor" in out and "silu-relu-gate" in out
+    turn = out[out.index("step 4:"):].splitlines()[1:len(variants) + 1]  # the last turn's lines, one per variant
+    for r in rows[-len(variants):]:
+        (line,) = [l for l in turn if l.split()[0] == r["variant"]]
+        assert ("(paths " in line) == (r["paths"] != "-") and (r["paths"] == "-" or f"(paths {r['paths']})" in line)
 
 
 def test_bench_train_refuses_an_unknown_variant():

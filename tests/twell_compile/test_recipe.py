@@ -113,6 +113,46 @@ def _inputs(model, x):
     return inputs
 
 
+def test_the_controller_keeps_its_state_for_layers_on_several_devices():
+    """Layers on two devices (pipeline parallel; ``meta`` stands in for the second): the smoothed
+    density is kept between steps, not rebuilt, so a new reading moves it by SMOOTHING only."""
+    from twell_compile import layers
+    from twell_compile.lowering import telemetry
+
+    owner = nn.Linear(1, 1)
+    a = layers.register(owner, "a", "a", "cpu", hidden=8, l1_coeff=1e-4)
+    b = layers.register(owner, "b", "b", "meta", hidden=8, l1_coeff=1e-4)
+    controller = density_control.DensityController(0.005, 1.0)
+    controller.attach(layers.model_of(owner))
+
+    def call(active):
+        telemetry.record(a.id, 4, torch.tensor(active), torch.tensor(0), None, True)
+        telemetry.record(b.id, 4, torch.tensor(active, device="meta"), torch.tensor(0, device="meta"), None, True)
+
+    call(16)  # density 16 / (4 · 8) = 0.5
+    controller.step()
+    state = dict(controller._state)
+    call(8)  # 0.25
+    controller.step()
+    assert all(controller._state[k][3] is state[k][3] for k in ("cpu", "meta"))
+    assert float(controller._state["cpu"][3][0]) == pytest.approx(0.5 + density_control.SMOOTHING * (0.25 - 0.5))
+
+
+def test_a_recompile_with_another_l1_coeff_is_steered_from_its_new_value():
+    """A second compile with another ``l1_coeff`` gives the layers new coefficient tensors, which
+    the new graphs read: the controller steers those, not the ones it held before."""
+    torch.manual_seed(0)
+    model = ResidualStack(D, H, n=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(8, D)
+    options = {"inner": "aot_eager", "target_density": 0.005, "l1_coeff_max": 1.0}
+    _train(model, torch.compile(model, backend="twell", options={**options, "l1_coeff": 1e-4}), opt, 3, x)
+    torch._dynamo.reset()
+    _train(model, torch.compile(model, backend="twell", options={**options, "l1_coeff": 2e-4}), opt, 5, x)
+    want = 2e-4 * math.exp(density_control.MAX_STEP) ** 5
+    assert _coefficients(model) == pytest.approx([want, want], rel=1e-4)
+
+
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 2])
 def test_target_density_must_be_a_fraction(bad):
     with pytest.raises(ValueError, match="target_density"):
@@ -261,6 +301,53 @@ def test_the_trainer_callback_logs_telemetry_and_sets_the_accumulation_scale():
     for key in ("twell/density", "twell/l0", "twell/l1", "twell/l1_coeff", "twell/dense_rows", "twell/sparse_layers"):
         assert key in logs and key in state.log_history[-1], logs
     assert logs["twell/l1_coeff"] == pytest.approx(L1)
-    assert set(telemetry_logs(model)) == {k for k in logs if k.startswith("twell/")}
+    assert set(telemetry_logs(model, layer_paths=True)) == {k for k in logs if k.startswith("twell/")}
+    assert logs["twell/sparse/layers.0"] == float(twell_compile.stats(model).layers[0].path == "sparse")
     callback.on_train_end(args, state, control)
     assert twell_compile.get_loss_scale() == 1.0
+
+
+def test_the_trainer_callback_reaches_every_logger(monkeypatch, tmp_path):
+    """Passed as ``callbacks=[TwellCallback()]``, which the Trainer puts after its reporting
+    integrations, the callback still adds its keys before any logger reads them. Each layer's
+    second 128-column tile never fires (zero gate rows stay zero: no gradient reaches them), so
+    half of the neurons are dead once the (shrunk) window is full."""
+    import transformers
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.integrations import integration_utils
+
+    from twell_compile.integrations import TwellCallback, telemetry_logs
+    from twell_compile.lowering import telemetry
+
+    received = []
+
+    class FakeLogger(TrainerCallback):  # registered as TensorBoard or W&B are
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            received.append(dict(logs or {}))
+
+    monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, "fake-logger", FakeLogger)
+    monkeypatch.setattr(telemetry, "DEAD_WINDOW_TOKENS", 32)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, hidden_act="relu")
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight[128:].zero_()
+    twell_compile.patch(model, l1_coeff=1e-4, target_density=0.005)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 16))]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=2,
+                             report_to=["fake-logger"], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    callback = TwellCallback()
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    assert trainer.callback_handler.callbacks[0] is callback
+    trainer.train()
+    steps = [logs for logs in received if "loss" in logs]
+    assert len(steps) == 2
+    for logs in steps:
+        assert logs["twell/dead_neurons"] == pytest.approx(0.5)
+        assert logs["twell/l1_coeff"] > 1e-4  # steered up from a ~50% dense start
+        assert {"twell/density", "twell/l0", "twell/l1", "twell/dense_rows", "twell/sparse_layers",
+                "twell/sparse/model.layers.0.mlp", "twell/sparse/model.layers.1.mlp"} <= set(logs)
+    final = {k: v for k, v in received[-1].items() if k.startswith("twell/")}
+    assert final == pytest.approx(telemetry_logs(model, layer_paths=True))

@@ -122,3 +122,36 @@ def test_a_recompiled_graph_takes_over_the_step_count():
     for _ in range(10):
         second()
     assert coordinator.steps >= 5 and coordinator.clock() is second
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_the_dense_variant_samples_which_neurons_fired(inner, monkeypatch):
+    """Dead neurons on the dense variant, from the same state the TwELL ops update. Layer 0's gate
+    is its bias for neurons 0-9 (they fire on every token), neurons 10-19 fire on token 3 alone
+    (feature 0 is 1 there, 0 elsewhere), and the other 236 never fire. The variant reads one token
+    in 8 a call at a turning offset, so token 3 is read every 8th call and neurons 10-19 stay alive."""
+    from twell_compile.lowering import telemetry
+
+    monkeypatch.setattr(telemetry, "DEAD_WINDOW_TOKENS", 64)
+    monkeypatch.setattr(twell_compile.lowering, "prefers_sparse", lambda *a: False)
+    torch.manual_seed(0)
+    model = ResidualStack(D, 256, n=2)
+    with torch.no_grad():
+        gate = model.layers[0].gate
+        gate.weight.zero_()
+        gate.bias.fill_(-1.0)
+        gate.bias[0:10] = 1.0
+        gate.weight[10:20, 0] = 10.0
+    run = torch.compile(model, backend="twell", options={"inner": inner, "l1_coeff": L1})
+    x = torch.randn(16, D)
+    x[:, 0] = 0.0
+    x[3, 0] = 1.0
+    for _ in range(33):  # 2 tokens sampled a call: 66 > 64 once 33 calls ran
+        run(x).square().mean().backward()
+    (coordinator,) = variants.coordinators()
+    assert coordinator.current == "dense"
+    first, second = twell_compile.stats(model).layers
+    assert first.dead_neurons == pytest.approx(236 / 256)
+    assert second.dead_neurons is not None and second.dead_neurons < 0.5
+    last, seen = telemetry.fired_state(first.layer, "cpu", 256)
+    assert float(seen) == 66 and float(last[12]) == 56  # token 3 last read by the 28th call (offset 27 mod 8)
