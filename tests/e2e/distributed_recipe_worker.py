@@ -11,7 +11,6 @@ Usage: torchrun --nproc_per_node 2 distributed_recipe_worker.py OUT ROUTE [ROUTE
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -88,19 +87,9 @@ def run(route: str) -> dict:
 
 
 def main() -> None:
-    out, routes = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
-    results = {}
-    for route in routes:
-        import twell_compile
+    from distributed_worker import run_routes  # the script's folder is first on sys.path
 
-        torch._dynamo.reset()
-        twell_compile.reset()
-        results[route] = run(route)
-        dist.barrier()
-    if dist.get_rank() == 0:
-        torch.save(results, os.path.join(out, "results.pt"))
-    dist.destroy_process_group()
+    run_routes(run, sys.argv[1], sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -187,7 +187,12 @@ def run(route: str) -> dict:
 
 
 def main() -> None:
-    out, routes = sys.argv[1], sys.argv[2:]
+    run_routes(run, sys.argv[1], sys.argv[2:])
+
+
+def run_routes(run, out: str, routes: list[str]) -> None:
+    """``run(route)`` for each route, from a fresh Dynamo and twell state, on every rank; rank 0
+    saves the results to ``out/results.pt``."""
     dist.init_process_group("gloo")
     results = {}
     for route in routes:
