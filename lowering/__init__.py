@@ -7,6 +7,8 @@ one ``twell_compile`` uses:
 * the ops ``ffn``, ``ffn_train``, ``ffn_bwd``, and their counters (``telemetry``);
 * ``l1_snapshot``: the copy of a live L1 coefficient that a training forward hands its backward;
 * ``mark_cuda_graph_layers``: layers the backend compiles to run under CUDA graphs;
+* ``mark_gathered_weight_layers``: layers whose weights are gathered per call (FSDP2), for which
+  nothing is cached per weight;
 * ``force_path("sparse" | "dense")``: a context manager forcing the CUDA path of every call in it;
 * ``prefers_sparse`` and ``watch_counters``: a layer's measured preference, and its counters'
   copy for layers that ran compiled dense code (the backend's graph variants);
@@ -22,6 +24,7 @@ from .dispatch_policy import force_path, prefers_sparse, watch_counters
 from .ffn import ffn
 from .ffn_bwd import ffn_bwd
 from .ffn_train import ffn_train
+from .weight_cache import mark_gathered_weight_layers
 from .l1_snapshot import l1_snapshot
 from .measure import active_pairs, gather_floor, tuned_configs
 
@@ -36,6 +39,7 @@ __all__ = [
     "gather_floor",
     "l1_snapshot",
     "mark_cuda_graph_layers",
+    "mark_gathered_weight_layers",
     "prefers_sparse",
     "telemetry",
     "tuned_configs",

@@ -55,7 +55,7 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     keep = layer not in cuda_graphs.CUDA_GRAPH_LAYERS
     record = telemetry.call_record(layer, x2d.device, sparse)
     if sparse:
-        prep = WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)
+        prep = WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep, layer=layer)
         res = sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record, keep=keep, prep=prep)
         if capturing:
             saved = prep  # the captured backward's, as nothing is cached under capture

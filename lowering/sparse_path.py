@@ -69,8 +69,10 @@ def sparse_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up
     known; a layer compiled for CUDA graphs caches nothing per weight)."""
     key = packed.count.data_ptr()
     keep = layer not in cuda_graphs.CUDA_GRAPH_LAYERS
-    # the forward's under capture; else once here (cached unless the layer is compiled for CUDA graphs)
-    _, backward_bound, wd_rows = take_saved(key, dense=False) or WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep)
+    # the forward's under capture; else once here (cached unless the layer is compiled for CUDA
+    # graphs or its weights are gathered per call)
+    prep = take_saved(key, dense=False) or WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep, layer=layer)
+    _, backward_bound, wd_rows = prep
     dense_rows, listed = backward_guard_rows(dout2d, backward_bound, packed, keep=keep)
     # The dense rows' weight gradients as GEMMs (an fp32 [planes, H, D] buffer) when the layer's
     # last measured call had enough of them; the same result either way.

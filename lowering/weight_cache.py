@@ -22,6 +22,17 @@ def state_key(t: torch.Tensor) -> Optional[tuple]:
         return None
 
 
+# Layers whose weights are gathered before each use and freed after it (FSDP2's unsharded
+# parameters). A cached Wdᵀ would outlive the reshard, a full copy of each down weight that
+# sharding was meant to save, so nothing is cached for them: each direction makes its own.
+GATHERED_WEIGHT_LAYERS: set = set()
+
+
+def mark_gathered_weight_layers(layers) -> None:
+    """Layers whose weights are gathered for each call, such as FSDP2's (called by the backend)."""
+    GATHERED_WEIGHT_LAYERS.update(layers)
+
+
 class WeightPrep:
     """The per-weight work, made by one launch (``weight_prep``): the finiteness guard's bounds
     (``kernels.reference``, "Exactness guard") for ``sparse_ffn(guard_bound=...)`` and
@@ -40,11 +51,13 @@ class WeightPrep:
     cache: "dict[int, tuple]" = {}
 
     @classmethod
-    def get(cls, wg, wu, wd, bg, bu, bd, *, keep: bool = True):
-        """``(forward bound, backward bound, wd_rows)`` (``weight_prep``)."""
+    def get(cls, wg, wu, wd, bg, bu, bd, *, keep: bool = True, layer: Optional[int] = None):
+        """``(forward bound, backward bound, wd_rows)`` (``weight_prep``); never cached for a
+        ``layer`` whose weights are gathered per call (``GATHERED_WEIGHT_LAYERS``)."""
         tensors = (wg, wu, wd, bg, bu, bd)
         states = tuple(None if t is None else state_key(t) for t in tensors)
-        cachable = keep and not cuda_graphs.capturing() and all(t is None or k is not None for t, k in zip(tensors, states))
+        cachable = (keep and layer not in GATHERED_WEIGHT_LAYERS and not cuda_graphs.capturing()
+                    and all(t is None or k is not None for t, k in zip(tensors, states)))
         key = id(wd)
         if cachable:
             hit = cls.cache.get(key)

@@ -59,6 +59,16 @@ def calling_modules() -> tuple[Optional[nn.Module], Optional[nn.Module]]:
     return unwrap(outermost), unwrap(innermost)
 
 
+def gathers_weights(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (``fully_shard``), whose modules' parameters are
+    gathered before each use and freed after it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without torch.distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def calling_model() -> Optional[nn.Module]:
     """The outermost module whose call is running on this thread's stack, unwrapped; None when the
     compiled code was not called from a module (a compiled function)."""

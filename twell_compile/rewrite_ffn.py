@@ -25,7 +25,7 @@ from torch import fx, nn
 from . import density_control, graph_guards, layers, lowering, loss_scaling_hooks, native_ffn, reporting
 from .lowering import mark_cuda_graph_layers
 from .match_ffn import FfnMatch, example_value, find_ffns, where
-from .module_paths import ModelIndex, calling_modules, display_name, real_tensor
+from .module_paths import ModelIndex, calling_modules, display_name, gathers_weights, real_tensor
 from .options import TwellOptions
 from .regions import Region, graph_regions
 from .reporting import Rewritten, SkipReason, Skipped
@@ -68,6 +68,8 @@ def rewrite_ffns(gm: fx.GraphModule, options: TwellOptions, graph_name: str = ""
         graph_guards.specialize(weights)
     if cuda_graphs:
         mark_cuda_graph_layers(r.layer for r in rewritten)
+    if owner.model is not None and gathers_weights(owner.model):
+        lowering.mark_gathered_weight_layers(r.layer for r in rewritten)
     reporting.record(rewritten, skipped)
     if skipped and not rewritten:
         _warn_nothing_rewritten(owner, skipped, graph_name)

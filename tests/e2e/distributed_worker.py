@@ -158,15 +158,46 @@ def wrap(route: str, model):
     raise SystemExit(f"unknown route {route!r}")
 
 
+def saving(found: list, model):
+    """A pack hook that keeps the saved tensors shaped like one of ``model``'s weight matrices, or
+    its transpose."""
+    shapes = {s for p in model.parameters() if p.dim() == 2 for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+
+    def pack(t):
+        if tuple(t.shape) in shapes:
+            found.append(t)
+        return t
+
+    return pack
+
+
+def bytes_held(t: torch.Tensor) -> int:
+    """The memory a saved tensor holds that is not a parameter's (a parameter, or a view of one,
+    is freed or kept by FSDP2 itself); fake tensors seen while tracing hold none."""
+    if isinstance(t, torch._subclasses.FakeTensor) or isinstance(t, torch.nn.Parameter) or \
+            isinstance(t._base, torch.nn.Parameter):
+        return 0
+    try:
+        return t.untyped_storage().nbytes()
+    except RuntimeError:
+        return 0
+
+
 def run(route: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(kind_of(route))
     run_model, params = wrap(route, model)
     opt = torch.optim.SGD(params.parameters(), lr=LR)
-    losses, grads = [], []
+    losses, grads, saved_copies = [], [], []
     for step in range(STEPS):
         ids = rank_batches(route, step, world)[rank]
-        loss = loss_of(kind_of(route), run_model, ids)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(saving(saved, params), lambda t: t):
+            loss = loss_of(kind_of(route), run_model, ids)
+        # After the forward FSDP2 has freed its unsharded weights: a weight-sized tensor saved for
+        # the backward that still holds memory is a copy outliving the reshard.
+        saved_copies += [bytes_held(t) for t in saved]
+        del saved
         loss.backward()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
@@ -174,7 +205,7 @@ def run(route: str) -> dict:
         grads.append({n: full_grad(p) for n, p in params.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad(set_to_none=True)
-    result = {"losses": losses, "grads": grads}
+    result = {"losses": losses, "grads": grads, "weight_copies_saved": sum(saved_copies)}
     if "twell_compile" in sys.modules:
         import twell_compile
 
@@ -183,6 +214,10 @@ def run(route: str) -> dict:
         result["rewritten"] = len(twell_compile.report().rewritten)
         result["local_tokens"] = sorted(s.tokens for s in rows)
         result["reduced_tokens"] = sorted(s.tokens for s in twell_compile.stats(reduce=True).layers)
+        from twell_compile.lowering.weight_cache import GATHERED_WEIGHT_LAYERS
+
+        # FSDP2 frees unsharded weights after each use: no per-weight cache may outlive that.
+        result["gathered"] = sorted(s.layer in GATHERED_WEIGHT_LAYERS for s in rows)
     return result
 
 

@@ -125,6 +125,10 @@ def _check(result: dict, oracle, route: str) -> None:
     assert result["layers"] == [f"{prefix}layers.0.mlp", f"{prefix}layers.1.mlp"], result["layers"]
     assert result["rewritten"] >= 2, result["rewritten"]
     assert result["reduced_tokens"] == [W.GLOBAL_BATCH * W.SEQ] * 2, result["reduced_tokens"]
+    if "fsdp" in route:
+        assert result["weight_copies_saved"] == 0, result["weight_copies_saved"]
+    if route != "fsdp-patch-before":  # patched before sharding: the layers were registered unsharded
+        assert result["gathered"] == ["fsdp" in route] * 2, result["gathered"]
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -257,6 +257,22 @@ def test_weight_prep_is_kept_until_a_weight_changes():
     assert WeightPrep.get(wg, wu, rows.t(), None, bu, bd)[2].data_ptr() == rows.data_ptr()  # no copy
 
 
+def test_weight_prep_is_never_kept_for_layers_whose_weights_are_gathered():
+    """FSDP2 frees a layer's unsharded weights after each use: a kept ``Wdᵀ`` would outlive them."""
+    _, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
+    layer = 10_000
+    weight_cache.mark_gathered_weight_layers([layer])
+    try:
+        first = WeightPrep.get(wg, wu, wd, None, bu, bd, layer=layer)
+        assert id(wd) not in WeightPrep.cache
+        again = WeightPrep.get(wg, wu, wd, None, bu, bd, layer=layer)
+        assert again is not first and torch.equal(again[2], first[2])
+        assert WeightPrep.get(wg, wu, wd, None, bu, bd, layer=layer + 1) is WeightPrep.get(wg, wu, wd, None, bu, bd)
+    finally:
+        weight_cache.GATHERED_WEIGHT_LAYERS.discard(layer)
+        WeightPrep.cache.pop(id(wd), None)
+
+
 def _measured_policy(density: float, dense_row_fraction: float = 0.0):
     """A policy whose last call measured ``density`` (no pinned buffer on a CPU machine)."""
     policy = LayerPolicy.__new__(LayerPolicy)
