@@ -1,13 +1,15 @@
 """``TWELL=1``: switch the rewrite on for scripts that are not modified (docs/architecture.md, 'TWELL=1').
 
 ``activate_from_env`` is called by the ``torch.backends`` autoload hook at the end of
-``import torch``. It reads the ``TWELL_*`` options (an invalid value stops the run with a message
-naming the variable) and installs three routes, so every way a script runs its model is covered:
+``import torch``. It reads the ``TWELL_*`` variables (an invalid value or an unknown name stops
+the run with a message naming the variable) and installs three routes, so every way a script runs
+its model is covered:
 
-1. Eager patch: a global module pre-hook patches the FFN modules of the first model called
-   (``patch_ffn.patch``), then removes itself. This covers scripts that never compile, DDP (one
-   op per FFN, so DDPOptimizer's bucket splits cannot cut an FFN) and compiled models whose FFNs
-   are modules (the patched op is captured as is).
+1. Eager patch: a global module pre-hook patches the FFN modules of each model called
+   (``patch_ffn.patch``) until it has patched one called in training mode with grad enabled (a
+   frozen teacher or an evaluation may run first), then removes itself. This covers scripts that
+   never compile, DDP (one op per FFN, so DDPOptimizer's bucket splits cannot cut an FFN) and
+   compiled models whose FFNs are modules (the patched op is captured as is).
 2. Inductor: the same graph rewrite as Inductor's ``pre_grad_custom_pass``, for FFNs written
    inline in a larger forward. Any compile that uses Inductor gets it (default ``torch.compile``,
    ``backend="inductor"``, HF ``torch_compile=True``, accelerate's INDUCTOR, Lightning), so it does
@@ -16,13 +18,14 @@ naming the variable) and installs three routes, so every way a script runs its m
    uses ``backend="twell"`` itself.
 
 Routes 2 and 3 are installed lazily, at the first ``torch.compile`` call, so ``import torch``
-never imports Inductor.
+never imports Inductor. That call also patches the module it is handed, which may be one decoder
+block (accelerate's regional compilation): the layers are registered on the compiled module's
+first call, under the model then calling it, so the L1 term stays a mean over the model's layers.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import warnings
@@ -41,12 +44,11 @@ _compile_routes_installed = False
 
 def activate_from_env() -> None:
     """Read ``TWELL_*`` and install the routes; an invalid value exits with a clear message."""
+    from .options import check_env
+
     try:
         options = TwellOptions.from_env()
-        if "TWELL_QUIET" in os.environ:
-            from .options import env_flag
-
-            env_flag("TWELL_QUIET")  # a bad value stops the run here, like the other variables
+        check_env()  # TWELL_QUIET, TWELL_PLAIN_LAUNCH, unknown names: stopped here, like the options
     except ValueError as exc:
         sys.stderr.write(f"{exc}\n")
         raise SystemExit(2) from None
@@ -69,6 +71,8 @@ def install(options: TwellOptions) -> None:
 
 # Modules already examined (with their submodules): each root is patched once.
 _seen: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# Roots with patched FFNs: the hook stays until one of them is called to train.
+_patched_roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _roots_without_ffn = 0
 _MAX_ROOTS_WITHOUT_FFN = 16
 
@@ -79,15 +83,27 @@ def active_options() -> Optional[TwellOptions]:
 
 
 def _patch_on_first_call(module, args):
-    if module not in _seen and not torch.compiler.is_compiling():
-        _patch_now(module)
+    if torch.compiler.is_compiling():
+        return None
+    if module not in _seen:
         from .patch_ffn import STATE_ATTR
 
-        if STATE_ATTR in module.__dict__:
+        was_patched = STATE_ATTR in module.__dict__
+        _patch_root(module)
+        if STATE_ATTR in module.__dict__ and not was_patched:
             # The module being called is itself an FFN that was just patched, but its call has
-            # already looked up the old forward: compute this one call again, patched.
-            _rerun_patched(module, args)
+            # already looked up the old forward: this call's output is the patched forward's.
+            _rerun_patched(module)
+    elif module in _patched_roots and _trains(module):
+        _remove_hook()  # patched while frozen or evaluated; it trains now
     return None
+
+
+_patch_on_first_call._twell_internal = True  # not a hook a patched FFN must fall back for
+
+
+def _trains(module) -> bool:
+    return module.training and torch.is_grad_enabled()
 
 
 def patch_options(options: TwellOptions) -> dict:
@@ -96,36 +112,51 @@ def patch_options(options: TwellOptions) -> dict:
                 target_density=options.target_density, l1_coeff_max=options.l1_coeff_max)
 
 
-def _rerun_patched(module, args) -> None:
-    def rerun(mod, call_args, output):
+def _rerun_patched(module) -> None:
+    # Prepended, so the module's other forward hooks run once, on the patched output; forward, not
+    # __call__, so no hook runs twice.
+    def rerun(mod, call_args, call_kwargs, output):
         handle.remove()
-        return mod(*call_args)
+        return mod.forward(*call_args, **call_kwargs)
 
-    handle = module.register_forward_hook(rerun)
+    handle = module.register_forward_hook(rerun, with_kwargs=True, prepend=True)
 
 
-def _patch_now(module) -> None:
+def _patch_root(module) -> None:
+    """Route 1: patch a model at its first call; its layers are registered under it."""
     global _roots_without_ffn
     from .patch_ffn import patch
 
     _seen.update(module.modules())
+    already = _has_patched_modules(module)
     result = patch(module, **patch_options(_options))
     if result.rewritten:
-        announce(result.rewritten, result.skipped)
+        # A frozen teacher or an evaluation: say so, since the model that trains comes next.
+        note = "" if _trains(module) else ("; it was called in eval mode or without grad, so the next model called is "
+                                           "patched too")
+        announce(result.rewritten, result.skipped, note=note)
         from .integrations import attach_to_running_trainer
 
         attach_to_running_trainer()  # a Hugging Face Trainer's accumulation steps and logs
-        _remove_hook()  # global hooks slow every module call; the model is patched now
-    else:
-        if result.skipped or _looks_like_a_model(module):
-            _warn_nothing_matched(module, result.skipped)
-        _roots_without_ffn += 1
-        if _roots_without_ffn >= _MAX_ROOTS_WITHOUT_FFN:
-            _remove_hook()  # no FFN modules here; the compile route still covers inline FFNs
+    if result.rewritten or already:
+        _patched_roots.add(module)
+        if _trains(module):
+            _remove_hook()  # global hooks slow every module call; the model that trains is patched
+        return
+    if not result.skipped and _looks_like_a_model(module):
+        _warn_nothing_matched(module, [], compiled=False)  # with skips, patch() itself warned
+    _roots_without_ffn += 1
+    if _roots_without_ffn >= _MAX_ROOTS_WITHOUT_FFN:
+        _remove_hook()  # no FFN modules here; the compile route still covers inline FFNs
 
 
-_announced = False
-_warned_roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+def _has_patched_modules(module) -> bool:
+    from .patch_ffn import STATE_ATTR
+
+    return any(STATE_ATTR in m.__dict__ for m in module.modules())
+
+
+_announced: set = set()  # (the layer registry's model entry, compiled) pairs already announced
 
 
 def quiet() -> bool:
@@ -138,32 +169,62 @@ def quiet() -> bool:
         return False  # checked at activation, which stops the run on a bad value
 
 
-def announce(rewritten, skipped) -> None:
-    """One line on stderr, at the first rewrite: what ``TWELL=1`` did (unless ``TWELL_QUIET=1``)."""
-    global _announced
-    if _announced or not rewritten or quiet():
+def announce(rewritten, skipped, *, note: str = "") -> None:
+    """One line on stderr per model and route (eager patch, compiled graphs), at its first rewrite:
+    what ``TWELL=1`` did. Every route that rewrites calls it; it prints nothing unless ``TWELL=1``
+    activated twell, nor with ``TWELL_QUIET=1``."""
+    if _options is None or not rewritten or quiet():
         return
-    _announced = True
+    from . import layers
     from .reporting import name_pattern
 
-    names = name_pattern([r.where for r in rewritten])
-    sys.stderr.write(f"twell: rewrote {len(rewritten)} FFN(s) ({names}), skipped {len(skipped)}; "
-                     f"l1_coeff {_options.l1_coeff:g} (twell_compile.report() has the details; TWELL_QUIET=1 silences this)\n")
+    groups: dict = {}
+    for r in rewritten:
+        entry = layers.layer(r.layer)
+        model = entry.model if entry is not None else None
+        groups.setdefault((model, r.graph != "patch"), []).append(r)
+    for (model, compiled), found in groups.items():
+        with _lock:
+            if (model, compiled) in _announced:
+                continue
+            _announced.add((model, compiled))
+        owner = f" of {model.label}" if model is not None and model.module is not None else ""
+        route = " in compiled graphs" if compiled else ""
+        names = found[0].where if len(found) == 1 else name_pattern([r.where for r in found])
+        sys.stderr.write(f"twell: rewrote {len(found)} FFN(s){owner} ({names}){route}, skipped {len(skipped)}; "
+                         f"l1_coeff {_options.l1_coeff:g}{note} (twell_compile.report() has the details; "
+                         "TWELL_QUIET=1 silences this)\n")
 
 
 def _looks_like_a_model(module) -> bool:
-    return sum(isinstance(m, torch.nn.Linear) for m in module.modules()) >= 2
+    """Two or more modules with a weight matrix: nn.Linear, HF's Conv1D (GPT-2), embeddings."""
+    def has_matrix(m):
+        weight = m._parameters.get("weight")
+        return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+    return sum(has_matrix(m) for m in module.modules()) >= 2
 
 
-def _warn_nothing_matched(module, skipped) -> None:
-    if quiet() or skipped:
-        return  # patch() itself warned about the FFN-like patterns it found
-    if module in _warned_roots:
+_warned_roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _warn_nothing_matched(module, skipped, *, compiled: bool) -> None:
+    if quiet() or module in _warned_roots:
         return
     _warned_roots.add(module)
-    warnings.warn(f"twell: TWELL=1 patched no FFN of {type(module).__name__} (it has no ReLU FFN module). FFNs written "
-                  "inline are still rewritten if the model is compiled; twell_compile.report() lists what was found.",
-                  RuntimeWarning, stacklevel=3)
+    name = type(module).__name__
+    if skipped:
+        from .reporting import warn_unrewritten
+
+        warn_unrewritten(name, id(module), skipped, "TWELL=1, eager patch and compiled graphs", stacklevel=4)
+        return
+    if compiled:
+        why = "none of its modules is a ReLU FFN of nn.Linear projections and its compiled graphs hold no FFN"
+    else:
+        why = ("none of its modules is a ReLU FFN of nn.Linear projections; FFNs written inline are still rewritten "
+               "if the model is compiled")
+    warnings.warn(f"twell: TWELL=1 rewrote no FFN of {name}: {why}. twell_compile.report() lists what was found.",
+                  RuntimeWarning, stacklevel=4)
 
 
 def _remove_hook() -> None:
@@ -180,13 +241,119 @@ def _compile_wrapper(compile_fn):
     @functools.wraps(compile_fn)
     def compile(*args, **kwargs):  # forwards everything untouched: kwargs differ across torch versions
         install_compile_routes()
-        if args and isinstance(args[0], torch.nn.Module):
-            _patch_now(args[0])  # before compiling, so DDP graph splits cannot cut an FFN
-            _remove_hook()  # torch warns about global hooks on compiled modules; compile covers the rest
-        return compile_fn(*args, **kwargs)
+        if not (args and isinstance(args[0], torch.nn.Module)):
+            return compile_fn(*args, **kwargs)
+        _watch_compiles()
+        first_call = _patch_for_compile(args[0])  # before compiling, so DDP graph splits cannot cut an FFN
+        compiled = compile_fn(*args, **kwargs)
+        first_call.attach(compiled)
+        return compiled
 
     compile._twell_wrapped = True
     return compile
+
+
+def _patch_for_compile(target) -> "_FirstCompiledCall":
+    """The module handed to ``torch.compile`` may be the model or one block of it (accelerate's
+    regional compilation): its FFN modules are patched now, their layers registered at the first
+    call, under the model on the stack. No warning now: the compiled graphs may rewrite what
+    patch() cannot (inline FFNs), which the first call tells."""
+    from .patch_ffn import patch_modules
+
+    _seen.update(target.modules())
+    already = _has_patched_modules(target)
+    result, patched = patch_modules(target, _options, register_on_call=True, warn=False)
+    if target.training:
+        _remove_hook()  # torch warns about global hooks on compiled modules; compile covers the rest
+    check = not (patched or already) and (bool(result.skipped) or _looks_like_a_model(target))
+    return _FirstCompiledCall(target, patched, result.skipped, check)
+
+
+def _register_waiting(model, modules=(), skipped=()) -> None:
+    """The layers patched for a compile: those of ``model`` under it, the rest of ``modules`` under
+    the module compiled; said on stderr."""
+    from .patch_ffn import register_waiting
+
+    rewritten = register_waiting(model, modules)
+    if rewritten:
+        announce(rewritten, skipped)
+        from .integrations import attach_to_running_trainer
+
+        attach_to_running_trainer()
+
+
+def _on_compile_start(*args) -> None:
+    """Dynamo starts compiling a frame: the layers still waiting are registered before it traces
+    them (else it would break the graph to register them). The path for a framework that compiles
+    the module's methods itself (Lightning compiles ``training_step``), past the hook on what
+    ``torch.compile`` returned."""
+    from .patch_ffn import waiting_modules
+
+    modules = waiting_modules()
+    if modules:
+        from .module_paths import calling_model
+
+        # No model on the stack (a compiled method): each under the module torch.compile was handed.
+        _register_waiting(calling_model(), modules)
+
+
+def _watch_compiles() -> None:
+    """``_on_compile_start`` among Dynamo's start callbacks (again after ``torch._dynamo.reset()``,
+    which clears them)."""
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    callbacks = getattr(handler, "start_callbacks", None)
+    with _lock:
+        if isinstance(callbacks, list) and _on_compile_start not in callbacks:
+            handler.register_start_callback(_on_compile_start)
+
+
+class _FirstCompiledCall:
+    """One-shot hooks on what ``torch.compile`` returned, run outside the compiled code: before
+    the first call, register the layers patched for it (under the calling model, so inside the
+    compiled region they are known); after it, warn if no FFN of the model was rewritten."""
+
+    def __init__(self, target, patched: list, skipped: list, check: bool):
+        self.target = weakref.ref(target)
+        self.patched = [weakref.ref(m) for m in patched]
+        self.skipped = skipped
+        self.check = check
+        self.before_handle = self.after_handle = None
+
+    def attach(self, compiled) -> None:
+        if not isinstance(compiled, torch.nn.Module):
+            self.register()  # nothing to hook: under the module compiled
+            return
+        _seen.add(compiled)
+        if self.patched:
+            self.before_handle = compiled.register_forward_pre_hook(self.before)
+        if self.check:
+            self.after_handle = compiled.register_forward_hook(self.after)
+
+    def register(self, model=None) -> None:
+        modules = [m for m in (ref() for ref in self.patched) if m is not None]
+        self.patched = []
+        _register_waiting(model if model is not None else self.target(), modules, self.skipped)
+
+    def before(self, module, args):
+        if not torch.compiler.is_compiling():
+            from .module_paths import calling_model
+
+            self.register(calling_model())
+            self.before_handle.remove()
+        return None
+
+    def after(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return None
+        from . import layers
+        from .module_paths import calling_model, unwrap
+
+        self.after_handle.remove()
+        target = self.target()
+        models = {calling_model(), None if target is None else unwrap(target)}
+        if target is not None and not any(layers.model_of(m).layers for m in models if m is not None):
+            _warn_nothing_matched(target, self.skipped, compiled=True)
+        return None
 
 
 def install_compile_routes() -> None:

@@ -100,8 +100,11 @@ def prepare_graph(gm: fx.GraphModule, mode: Optional[str], options: Optional[dic
     rewritten = []
     if not gm.meta.get(REWRITTEN_META):
         _patch_if_checkpointed(opts)
-        rewritten, _ = rewrite_ffns(gm, opts, graph_name=f"graph{next(_graph_ids)}",
-                                    cuda_graphs=opts.inner == "inductor" and uses_cuda_graphs(mode))
+        rewritten, skipped = rewrite_ffns(gm, opts, graph_name=f"graph{next(_graph_ids)}",
+                                          cuda_graphs=opts.inner == "inductor" and uses_cuda_graphs(mode))
+        from .activate import announce
+
+        announce(rewritten, skipped)  # one line on stderr when TWELL=1 routed this compile here
         gm.meta[REWRITTEN_META] = True  # the TWELL=1 pre-grad pass and the pieces must not rewrite it again
     return opts, mode, rewritten
 

@@ -315,12 +315,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.strict:
         env["TWELL_STRICT"] = "1"
     # A bad TWELL_* value would stop the script at `import torch`; say so before starting it.
-    from .options import TwellOptions, env_flag
+    from .options import TwellOptions, check_env
 
     try:
         TwellOptions.from_env(env)
-        if "TWELL_QUIET" in env:
-            env_flag("TWELL_QUIET", env)
+        check_env(env)
     except ValueError as e:
         raise _UsageError(str(e).removeprefix("twell: ")) from None
 

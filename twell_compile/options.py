@@ -32,8 +32,9 @@ class TwellOptions:
         target_density: steer each layer's L1 coefficient, from ``l1_coeff``, so that the share of
             active hidden units approaches this value (for example 0.005) while the model trains
             (``density_control.py``); None (default): the coefficient stays ``l1_coeff``.
-        l1_coeff_max: the largest coefficient ``target_density`` may reach (default 1000 ×
-            ``l1_coeff``): what the language-model loss may pay at most.
+        l1_coeff_max: the largest coefficient ``target_density`` may reach (default
+            ``1000 · max(l1_coeff, 2e-5)``): it bounds the weight of the L1 term, not the
+            language-model loss itself.
         relu_gate: rewrite SiLU- and GELU-gated FFNs (standard Llama, Mistral, Qwen, Gemma
             configurations) as ReLU-gated TwELL FFNs with the L1 term: the paper's recipe for a
             model trained from scratch. It changes the model's function, so it is off by default,
@@ -130,6 +131,29 @@ class TwellOptions:
             for key, var in names.items():
                 message = message.replace(f"options['{key}'] = ", f"{var}=")
             raise ValueError(message) from None
+
+
+# Every TWELL_* variable read anywhere: TWELL, the options' (``TwellOptions.from_env``),
+# TWELL_QUIET (activate.py) and TWELL_PLAIN_LAUNCH (kernels/launch.py).
+ENV_VARIABLES = ("TWELL", "TWELL_L1", "TWELL_INNER", "TWELL_STRICT", "TWELL_TARGET_DENSITY", "TWELL_L1_MAX",
+                 "TWELL_DENSE_VARIANT", "TWELL_RELU_GATE", "TWELL_QUIET", "TWELL_PLAIN_LAUNCH")
+
+
+def check_env(environ: Mapping[str, str] | None = None) -> None:
+    """The ``TWELL_*`` variables the options do not hold; a bad one raises naming it.
+
+    A name nothing reads (a typo such as ``TWELL_L1_COEF``) would leave its setting silently
+    unapplied. ``TWELL_PLAIN_LAUNCH`` is read by ``kernels/launch.py`` only when the kernels load,
+    mid-run: checked here, it stops the run before any work.
+    """
+    env = os.environ if environ is None else environ
+    unknown = sorted(k for k in env if k.startswith("TWELL_") and k not in ENV_VARIABLES)
+    if unknown:
+        raise ValueError(f"twell: {unknown[0]} is not a twell variable; the accepted ones are {', '.join(ENV_VARIABLES)}")
+    if "TWELL_QUIET" in env:
+        env_flag("TWELL_QUIET", env)
+    if env.get("TWELL_PLAIN_LAUNCH", "0") not in ("0", "1"):  # launch.py's own test, exactly
+        raise ValueError(f"twell: TWELL_PLAIN_LAUNCH={env['TWELL_PLAIN_LAUNCH']!r} is not accepted; use 0 or 1")
 
 
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:

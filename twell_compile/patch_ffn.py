@@ -18,11 +18,17 @@ A patched module stays an ordinary module (``docs/usage.md``, "Patched modules")
 * a projection replaced after patching (a PEFT LoRA layer) has its adapters merged at call time,
   ``W + scaling · B A`` (exact: gradients reach A and B through autograd), where that is the
   layer's function (no dropout while training, no DoRA); anything else runs the module's own
-  forward, and the report and a warning say why;
+  forward, and the report and a warning say why. So does a projection whose call does more than
+  its forward (its own hooks, a forward replaced on the instance as accelerate's hooks do, or
+  global module hooks), which the op, reading its weights, would bypass;
 * its layer (id, full name, model) is registered under the patched model (after a copy or an
-  unpickle: on its first call, under the model on the stack, as the compile routes do), so the
-  L1 term is the same mean over the model's layers on every route; a module called twice in one
-  forward adds two L1 terms, on every route.
+  unpickle, or when ``TWELL=1``'s ``torch.compile`` wrapper patched one block of the model: on its
+  first call, under the model on the stack, as the compile routes do), so the L1 term is the same
+  mean over the model's layers on every route; a module called twice in one forward adds two L1
+  terms, on every route.
+
+A module that looks like an FFN but cannot be replaced (its forward takes more than one input, or
+does more than the FFN) is reported with the reason, never left alone in silence.
 
 Under DDP with ``torch.compile``, DDPOptimizer splits Dynamo graphs at bucket boundaries, usually
 inside an FFN; a patched FFN is a single op, so it stays whole (docs/architecture.md, "TWELL=1").
@@ -33,6 +39,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -43,7 +50,7 @@ from torch import fx, nn
 from . import density_control, layers, lowering, loss_scaling_hooks, reporting
 from .l1 import forward_value
 from .match_ffn import FfnMatch, find_ffns
-from .module_paths import ModelIndex, calling_model, clean_path, display_name, unwrap
+from .module_paths import ModelIndex, calling_model, clean_path, display_name, gathers_weights, unwrap
 from .options import TwellOptions
 from .reporting import Rewritten, SkipReason, Skipped
 
@@ -80,7 +87,18 @@ def patch(model: nn.Module, **options) -> PatchResult:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"twell: patch(model) needs a torch.nn.Module, got {type(model).__name__}")
-    opts = TwellOptions.from_dict(options)
+    result, _ = patch_modules(model, TwellOptions.from_dict(options))
+    return result
+
+
+def patch_modules(model: nn.Module, opts: TwellOptions, *, register_on_call: bool = False,
+                  warn: bool = True) -> tuple[PatchResult, list[nn.Module]]:
+    """``patch`` with validated options; returns the result and the modules it patched.
+
+    ``register_on_call`` (TWELL=1's compile wrapper, handed a module that may be one decoder block
+    of the model): the patched modules' layers are registered and reported on their first call,
+    under the model then calling them (``register_waiting``), not under ``model``. ``warn=False``:
+    no nothing-rewritten warning (the compile route may still rewrite what patch cannot)."""
     loss_scaling_hooks.install()
     result = PatchResult()
     found = []
@@ -106,17 +124,52 @@ def patch(model: nn.Module, **options) -> PatchResult:
         raise TwellRewriteError(f"twell (strict=True): {len(result.skipped)} FFN-like pattern(s) cannot be patched:\n{details}")
     for path, where, mod, roles in found:
         state = FFNPatch(where, opts, roles, mod.__dict__.get("forward"))
-        device = next(mod.parameters()).device
-        state.register(mod, root, path, device)
-        mod.__dict__[STATE_ATTR] = state
-        mod.forward = functools.partial(patched_forward, mod)
         kind = roles[mod.training] or roles[not mod.training]
         op = "twell::ffn / ffn_train (patched)" + (f", {kind.gate_activation} gate as ReLU" if kind.gate_activation != "ReLU" else "")
-        result.rewritten.append(Rewritten(state.layer.id, where, kind.kind, kind.biases, _dtype_name(mod), op, "patch"))
+        state.unreported = (kind.kind, kind.biases, _dtype_name(mod), op)
+        if register_on_call:
+            _waiting[mod] = (weakref.ref(root), path)
+        else:
+            result.rewritten.append(state.register(mod, root, path, next(mod.parameters()).device))
+        mod.__dict__[STATE_ATTR] = state
+        mod.forward = functools.partial(patched_forward, mod)
     reporting.record(result.rewritten, result.skipped)
-    if result.skipped and not result.rewritten:
-        reporting.warn_unrewritten(type(root).__name__, id(root), result.skipped, "patch()")
-    return result
+    # Only a model none of whose FFNs is patched (now or by an earlier call) lacks its L1 term.
+    if warn and result.skipped and not found and not any(STATE_ATTR in m.__dict__ for m in root.modules()):
+        reporting.warn_unrewritten(type(root).__name__, id(root), result.skipped, "patch()", stacklevel=4)
+    return result, [mod for _, _, mod, _ in found]
+
+
+# Modules patched with ``register_on_call``, waiting for their first call: module -> (weak
+# reference to the module patch() was handed, path in it).
+_waiting: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def waiting_modules() -> list[nn.Module]:
+    return list(_waiting.keys())
+
+
+def register_waiting(model: Optional[nn.Module], modules=()) -> list[Rewritten]:
+    """Register every waiting layer that is part of ``model`` under its full path there, all at
+    once, so the model's L1 mean counts them all from its first step; then those of ``modules``
+    that are not part of it, under the module patch() was handed. Returns them as reported."""
+    if not _waiting:
+        return []
+    done = []
+    index = ModelIndex(model) if model is not None else None
+    for module in list(_waiting.keys()):
+        path = index.module_path(module) if index is not None else None
+        if path is not None and _waiting.pop(module, None) is not None:
+            done.append(module.__dict__[STATE_ATTR].register(module, model, path, next(module.parameters()).device))
+    for module in modules:
+        entry = _waiting.pop(module, None)
+        if entry is not None:
+            root = entry[0]()
+            identity = entry[1] if root is not None else ("module", id(module))
+            done.append(module.__dict__[STATE_ATTR].register(module, root, identity, next(module.parameters()).device))
+    done = [r for r in done if r is not None]
+    reporting.record(done, [], graphs=0)
+    return done
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +219,7 @@ class _InlineTracer(fx.Tracer):
 
 def _examine(mod: nn.Module, where: str, training: bool, relu_gate: bool) -> tuple[Optional[Roles], list[Skipped]]:
     """Trace ``mod`` in ``training`` mode and match it: its roles if its whole forward is one FFN
-    (a SiLU/GELU-gated one only with ``relu_gate``)."""
+    (a SiLU/GELU-gated one only with ``relu_gate``). An FFN-like module left alone is in the skips."""
     was_training = mod.training
     try:
         mod.train(training)
@@ -175,33 +228,50 @@ def _examine(mod: nn.Module, where: str, training: bool, relu_gate: bool) -> tup
         return None, [Skipped(where, SkipReason.TRACE_FAILED, f"{type(exc).__name__}: {exc}"[:300], "patch")]
     finally:
         mod.train(was_training)
-    if gm is None:
-        return None, []
     matches, skipped = find_ffns(gm)
     skipped = [Skipped(f"{where}.{s.where}", s.reason, s.detail, "patch") for s in skipped]
+    inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        # The patched forward takes one tensor; what the patterns need from the others is unknown.
+        if matches or skipped:
+            return None, [Skipped(where, SkipReason.EXTRA_INPUTS, f"forward({', '.join(inputs)})", "patch")]
+        return None, []
     if len(matches) == 1 and _is_whole_forward(gm, matches[0]):
         m = matches[0]
         if m.gate_activation != "ReLU" and not relu_gate:
             return None, skipped + [Skipped(where, SkipReason.NOT_RELU, m.gate_activation, "patch")]
-        return _roles(m), skipped
+        roles = _roles(m)
+        if roles is None:  # the patched forward reads the projections from the module's children
+            skipped.append(Skipped(where, SkipReason.NOT_WHOLE_MODULE, "a projection's weight is not an nn.Linear child's",
+                                   "patch"))
+        return roles, skipped
     if matches:
-        skipped.append(Skipped(where, SkipReason.NOT_WHOLE_MODULE, f"{len(matches)} FFN(s) inside a larger forward", "patch"))
+        detail = f"{len(matches)} FFN(s) inside a larger forward"
+        if len(matches) == 1 and matches[0].x.op != "placeholder":
+            detail = "its input goes through other operations before the FFN"
+        skipped.append(Skipped(where, SkipReason.NOT_WHOLE_MODULE, detail, "patch"))
     return None, skipped
 
 
-def _trace(mod: nn.Module) -> Optional[fx.GraphModule]:
-    """The module's graph with example values from meta tensors; None if it is not one-input."""
+def _trace(mod: nn.Module) -> fx.GraphModule:
+    """The module's graph, its nodes carrying example values from meta tensors where they depend
+    only on the first input (a 2-D ``[1, D]`` tensor, D read from a projection)."""
     graph = _InlineTracer().trace(mod)
     gm = fx.GraphModule(mod, graph)
     _lora_as_linear(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        return None
-    d_model = _input_features(gm, placeholders[0])
-    if d_model is None:
-        return None
+    if not placeholders:
+        return gm
     dtype = next(mod.parameters()).dtype
-    _MetaValues(gm).run(torch.empty(1, d_model, dtype=dtype, device="meta"))
+    errors = []
+    for d_model in _input_features(gm, placeholders[0]):
+        try:
+            _meta_values(gm, torch.empty(1, d_model, dtype=dtype, device="meta"))
+            return gm
+        except Exception as exc:  # noqa: BLE001 - try the next candidate D
+            errors.append(exc)
+    if errors:
+        raise errors[0]
     return gm
 
 
@@ -223,14 +293,16 @@ def _lora_as_linear(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _input_features(gm: fx.GraphModule, x: fx.Node) -> Optional[int]:
-    """D, from the first linear that reads the input (whatever the order the linears were declared)."""
-    for user in x.users:
-        if user.op == "call_function" and user.target in (F.linear, torch._C._nn.linear) and len(user.args) > 1:
-            weight = user.args[1]
+def _input_features(gm: fx.GraphModule, x: fx.Node) -> list[int]:
+    """Candidates for D: the input features of the linears that read the input (whatever the order
+    the linears were declared), then of the others (the input may pass through other ops first)."""
+    direct, others = [], []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear) and len(node.args) > 1:
+            weight = node.args[1]
             if isinstance(weight, fx.Node) and weight.op == "get_attr":
-                return _attr(gm, weight.target).shape[-1]
-    return None
+                (direct if node.args[0] is x else others).append(_attr(gm, weight.target).shape[-1])
+    return list(dict.fromkeys(direct + others))
 
 
 def _attr(gm: fx.GraphModule, target: str):
@@ -255,6 +327,22 @@ class _MetaValues(fx.Interpreter):
             value = super().run_node(n)
         n.meta["example_value"] = value
         return value
+
+
+def _meta_values(gm: fx.GraphModule, x: torch.Tensor) -> None:
+    """Run ``gm`` on meta tensors from the first input ``x``; nodes that need another input keep no
+    value (the matcher still sees the FFN-like patterns among the others)."""
+    interpreter = _MetaValues(gm, garbage_collect_values=False)
+    for node in gm.graph.nodes:
+        node.meta.pop("example_value", None)
+    first = True
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if first:
+                interpreter.env[node] = node.meta["example_value"] = x
+                first = False
+        elif node.op != "output" and all(n in interpreter.env for n in node.all_input_nodes):
+            interpreter.env[node] = interpreter.run_node(node)
 
 
 def _is_whole_forward(gm: fx.GraphModule, m: FfnMatch) -> bool:
@@ -311,13 +399,14 @@ class FFNPatch:
         self.original_forward = original_forward
         self._reset_runtime()
 
-    _RUNTIME = ("layer", "coefficients", "factors", "warned")
+    _RUNTIME = ("layer", "coefficients", "factors", "warned", "unreported")
 
     def _reset_runtime(self) -> None:
         self.layer: Optional[layers.Layer] = None
         self.coefficients: dict[str, torch.Tensor] = {}  # str(device) -> live L1 coefficient
         self.factors: dict[str, torch.Tensor] = {}  # str(device) -> the model's live L1 factor
         self.warned: set = set()
+        self.unreported: Optional[tuple] = None  # (kind, biases, dtype, op) until the first registration reports it
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -342,15 +431,24 @@ class FFNPatch:
             self._fall_back(module, f"in {mode} mode its forward is not one FFN the op computes")
         return roles
 
-    def register(self, module: nn.Module, model: Optional[nn.Module], identity, device: torch.device) -> None:
+    def register(self, module: nn.Module, model: Optional[nn.Module], identity, device: torch.device) -> Optional[Rewritten]:
+        """The layer under ``model``; the first registration returns the report's entry for it."""
         name = display_name(model, identity) if isinstance(identity, str) else self.where
         roles = next(r for r in self.roles.values() if r is not None)
         self.layer = layers.register(model, identity, name, device, hidden=_hidden(module, roles), l1_coeff=self.l1_coeff)
+        if model is not None and gathers_weights(model):  # FSDP2: no per-weight cache outlives a reshard
+            lowering.mark_gathered_weight_layers([self.layer.id])
         opts = self.options
         density_control.control(self.layer.model, opts.target_density, opts.l1_coeff, opts.l1_coeff_max)
         self.factors = {}
         self.coefficients = {}
         self._ensure_device(device)
+        if self.unreported is None:
+            return None
+        self.where = name
+        kind, biases, dtype, op = self.unreported
+        self.unreported = None
+        return Rewritten(self.layer.id, name, kind, biases, dtype, op, "patch")
 
     def _ensure_device(self, device: torch.device) -> None:
         """The layer's telemetry, L1 factor and coefficient on ``device``, made outside the forward
@@ -363,8 +461,14 @@ class FFNPatch:
 
     @torch._dynamo.disable
     def register_from_stack(self, module: nn.Module, device: torch.device) -> None:
-        """After a copy or an unpickle: the layer under the model calling it (the modules on the stack)."""
+        """On the first call after a copy or an unpickle, or of a module patched with
+        ``register_on_call``: the layer under the model calling it (the modules on the stack)."""
         model = calling_model()
+        if module in _waiting:
+            from .activate import announce
+
+            announce(register_waiting(model, [module]), [])
+            return
         path = ModelIndex(model).module_path(module) if model is not None else None
         self.register(module, model if path is not None else None, path if path is not None else ("module", id(module)),
                       device)
@@ -418,6 +522,9 @@ def patched_forward(module: nn.Module, x, *args, **kwargs):
 def _parameters(state: FFNPatch, module: nn.Module, roles: Roles) -> Optional[list]:
     """``[wg, wu, wd, bg, bu, bd]`` read now from the projections (LoRA adapters merged), or None
     (after a fall-back has been recorded) when one is no longer a linear the op can take."""
+    if _global_hooks():
+        state._fall_back(module, "global module hooks are registered, which the op would bypass in its projections")
+        return None
     weights, biases = {}, {}
     for role, name in zip(_ROLES, roles.children):
         if name is None:
@@ -436,10 +543,13 @@ def _linear_parameters(child, training: bool):
     """``(weight, bias)`` of an ``nn.Linear`` or of a LoRA layer with its adapters merged; a string
     saying why not otherwise."""
     if type(child) is nn.Linear or (isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward):
-        return child.weight, child.bias
+        return _hooked(child) or (child.weight, child.bias)
     base = _lora_base(child) if isinstance(child, nn.Module) else None
     if base is None:
         return f"a {type(child).__name__}, not an nn.Linear"
+    hooked = next((h for h in map(_hooked, child.modules()) if h), None)
+    if hooked:
+        return hooked
     if getattr(child, "merged", False) or getattr(child, "disable_adapters", False):
         return base.weight, base.bias
     weight = base.weight
@@ -454,3 +564,21 @@ def _linear_parameters(child, training: bool):
         delta = child.lora_B[name].weight @ child.lora_A[name].weight
         weight = weight + (delta * child.scaling[name]).to(weight.dtype)
     return weight, base.bias
+
+
+def _hooked(child: nn.Module) -> Optional[str]:
+    """Why calling ``child`` does more than its forward (the op reads its weights and would bypass
+    that), or None."""
+    if "forward" in child.__dict__:
+        return f"a {type(child).__name__} whose forward is replaced on the instance (as accelerate's hooks do)"
+    if child._forward_pre_hooks or child._forward_hooks or child._backward_pre_hooks or child._backward_hooks:
+        return f"a {type(child).__name__} with forward or backward hooks"
+    return None
+
+
+def _global_hooks() -> bool:
+    """Whether global module hooks other than twell's own (TWELL=1's first-call hook) are registered."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_backward_pre_hooks or hooks._global_backward_hooks:
+        return True
+    return any(not getattr(h, "_twell_internal", False) for h in hooks._global_forward_pre_hooks.values())

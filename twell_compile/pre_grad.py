@@ -8,6 +8,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .activate import announce
 from .cache_salt import source_hash
 from .options import TwellOptions
 from .rewrite_ffn import rewrite_ffns
@@ -31,8 +32,9 @@ class TwellPreGradPass(CustomGraphPass):
             return  # already rewritten by backend="twell"
         gm.meta[REWRITTEN_META] = True
         # Inductor's config, mode patches included, is in force while its passes run
-        rewrite_ffns(gm, self.options, graph_name=f"inductor{next(_ids)}",
-                     cuda_graphs=bool(torch._inductor.config.triton.cudagraphs))
+        rewritten, skipped = rewrite_ffns(gm, self.options, graph_name=f"inductor{next(_ids)}",
+                                          cuda_graphs=bool(torch._inductor.config.triton.cudagraphs))
+        announce(rewritten, skipped)  # TWELL=1's line on stderr, once per model
 
     def uuid(self):
         inner = self.inner.uuid() if hasattr(self.inner, "uuid") else repr(self.inner)

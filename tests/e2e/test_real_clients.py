@@ -23,6 +23,7 @@ import torch
 import twell_compile
 from twell_compile import SkipReason
 
+from tests.e2e.test_twell_env import twell_1  # noqa: F401 - the fixture: TWELL=1 in this process
 from tests.ffn_models import assert_close, assert_grads_close, eager_loss, reset_state
 
 import transformers
@@ -120,14 +121,18 @@ def test_load_state_dict_dtype_moves_and_hooks_behave_as_on_a_plain_module():
         for p in other.parameters():
             p.add_(0.01)
     model.load_state_dict(other.state_dict())
-    seen = []
+    seen, seen_down = [], []
     handle = mlps(model)[0].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
-    with torch.no_grad():
+    # A hook on a projection: the op would bypass it, so that FFN runs its own forward, and says so.
+    down_handle = mlps(model)[1].down_proj.register_forward_hook(lambda mod, args, out: seen_down.append(out.shape))
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="layers.1.mlp runs its own forward.*down_proj .*hooks"):
         assert_close(model(input_ids=tokens()).logits, other(input_ids=tokens()).logits, rtol=1e-5, atol=1e-6, name="loaded")
     handle.remove()
+    down_handle.remove()
     with torch.no_grad():
         model(input_ids=tokens())
-    assert len(seen) == 1  # the hook ran once, and is gone after remove()
+    assert len(seen) == 1 and len(seen_down) == 1  # each hook ran once, and is gone after remove()
+    assert [s.where for s in twell_compile.report().skipped if s.reason is SkipReason.PATCH_FALLBACK] == ["model.layers.1.mlp"]
     model.to(torch.float64)
     other.to(torch.float64)
     with torch.no_grad():
@@ -208,6 +213,68 @@ def test_gradient_checkpointing_with_backend_twell_keeps_the_l1_term():
     assert_grads_close(model, plain, rtol=1e-4, atol_frac=1e-5)
 
 
+CHECKPOINTING_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, transformers
+
+    def llama():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_act="relu", hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=96, max_position_embeddings=32, attention_dropout=0.0))
+
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    saved = {}
+    for route in ("eager", "compiled"):  # the first model called is patched by the hook, the second by the wrapper
+        model = llama()
+        saved["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.gradient_checkpointing_enable()
+        model.train()
+        run = torch.compile(model, backend="aot_eager") if route == "compiled" else model
+        run(input_ids=ids, labels=ids).loss.backward()
+        saved[route] = {n: p.grad for n, p in model.named_parameters()}
+    torch.save(saved, sys.argv[1])
+    """
+)
+
+
+def test_gradient_checkpointing_under_twell_1_keeps_the_l1_term(tmp_path):
+    script = tmp_path / "checkpointing.py"
+    script.write_text(CHECKPOINTING_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TWELL")}
+    env.update(TWELL="1", TWELL_L1=str(L1))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "grads.pt")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    saved = torch.load(tmp_path / "grads.pt")
+    plain = llama()
+    plain.load_state_dict(saved["state"])
+    oracle_backward(plain, tokens())
+    for route in ("eager", "compiled"):
+        for name, p in plain.named_parameters():
+            got = saved[route][name]
+            assert_close(got, p.grad, rtol=1e-4, atol=1e-5 * (1 + float(p.grad.abs().max())), name=f"{route} {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# accelerate's regional compilation under TWELL=1
+# ---------------------------------------------------------------------------------------------
+
+def test_accelerate_regional_compilation_under_twell_1(twell_1):
+    """``compile_regions`` compiles each decoder block on its own (``use_regional_compilation``):
+    the L1 term is still the mean over the model's two FFNs, which carry their full names."""
+    from accelerate.utils import compile_regions
+
+    model = llama().train()
+    plain = copy.deepcopy(model)
+    compiled = compile_regions(model, backend="aot_eager")
+    train_loss(compiled, tokens())  # the blocks' copies share the model's parameters
+    oracle_backward(plain, tokens(), l1=twell_1)
+    assert_grads_close(model, plain, rtol=1e-4, atol_frac=1e-5)
+    assert [r.where for r in twell_compile.report().rewritten] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert len(twell_compile.stats(model).layers) == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # TWELL=1 with the Hugging Face Trainer, in a fresh process
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +305,7 @@ TRAINER_SCRIPT = textwrap.dedent(
                              report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=examples)
     result = trainer.train()
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, sys.argv[3])
     import twell_compile
     print("REWRITTEN", len(twell_compile.report().rewritten))
     print("LOGGED", sorted(k for entry in trainer.state.log_history for k in entry if k.startswith("twell/")))
@@ -246,30 +314,60 @@ TRAINER_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_trainer(tmp_path, **env_extra):
-    script = tmp_path / "train.py"
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """The Trainer script without TWELL, and under TWELL=1 with TWELL_L1=0 (and TWELL_QUIET=1) and
+    TWELL_L1=1e-2, in parallel: ``name -> (process, final weights)``."""
+    tmp = tmp_path_factory.mktemp("trainer")
+    script = tmp / "train.py"
     script.write_text(TRAINER_SCRIPT)
-    text = tmp_path / "text.txt"
+    text = tmp / "text.txt"
     text.write_text(Path(transformers.__file__).read_text()[:20000])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TWELL")}
-    env.update(env_extra)
-    proc = subprocess.run([sys.executable, str(script), str(text), str(tmp_path / "out")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+    cases = {"baseline": {}, "l1=0": {"TWELL": "1", "TWELL_L1": "0", "TWELL_QUIET": "1"},
+             "l1=1e-2": {"TWELL": "1", "TWELL_L1": "1e-2"}}
+    procs = {}
+    for name, extra in cases.items():
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TWELL")}
+        env.update(extra)
+        weights = tmp / f"{name}.pt"
+        cmd = [sys.executable, str(script), str(text), str(tmp / f"out-{name}"), str(weights)]
+        procs[name] = (subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                       cmd, weights)
+    runs = {}
+    for name, (popen, cmd, weights) in procs.items():
+        stdout, stderr = popen.communicate(timeout=600)
+        assert popen.returncode == 0, f"{name}:\n{stderr[-4000:]}"
+        runs[name] = (subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr), torch.load(weights))
+    return runs
 
 
-def test_trainer_under_twell_1_rewrites_says_so_and_logs_telemetry(tmp_path):
-    proc = _run_trainer(tmp_path, TWELL="1", TWELL_L1="1e-3")
+def _relative_change(weights, baseline, only: str = "") -> float:
+    """``‖W − W₀‖ / ‖W₀‖`` over all the (``only``-named) weights at once: Adam turns the last-bit
+    differences of a gradient near 0 into whole-step ones in single elements, not in the norm."""
+    keys = [k for k in baseline if only in k]
+    diff = sum(float((weights[k] - baseline[k]).double().square().sum()) for k in keys)
+    return (diff / sum(float(baseline[k].double().square().sum()) for k in keys)) ** 0.5
+
+
+def test_trainer_under_twell_1_trains_with_the_l1_term(trainer_runs):
+    """TWELL_L1=0 trains as without twell; TWELL_L1=1e-2 reaches the weights, the FFNs' most."""
+    baseline = trainer_runs["baseline"][1]
+    assert _relative_change(trainer_runs["l1=0"][1], baseline) < 1e-6
+    assert _relative_change(trainer_runs["l1=1e-2"][1], baseline, only="mlp") > 1e-3
+
+
+def test_trainer_under_twell_1_rewrites_says_so_and_logs_telemetry(trainer_runs):
+    proc = trainer_runs["l1=1e-2"][0]
     assert "REWRITTEN 2" in proc.stdout
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("twell: rewrote")]
-    assert len(lines) == 1 and "model.layers.*.mlp" in lines[0] and "l1_coeff 0.001" in lines[0], proc.stderr[-2000:]
+    assert len(lines) == 1 and "of LlamaForCausalLM (model.layers.*.mlp)" in lines[0] and "l1_coeff 0.01" in lines[0], \
+        proc.stderr[-2000:]
     logged = proc.stdout.split("LOGGED", 1)[1].splitlines()[0]
     for key in ("twell/density", "twell/l1", "twell/l1_coeff", "twell/sparse_layers"):
         assert key in logged, logged
 
 
-def test_twell_quiet_silences_the_summary_line(tmp_path):
-    proc = _run_trainer(tmp_path, TWELL="1", TWELL_QUIET="1")
+def test_twell_quiet_silences_the_summary_line(trainer_runs):
+    proc = trainer_runs["l1=0"][0]
     assert "REWRITTEN 2" in proc.stdout
     assert not any(ln.startswith("twell:") for ln in proc.stderr.splitlines()), proc.stderr[-2000:]

@@ -229,6 +229,18 @@ def test_twell_l1_is_the_mean_over_the_models_ffns(runs, name):
         assert_close(run.data["grads"][param], want, rtol=1e-4, atol=1e-5 * (1 + float(want.abs().max())), name=param)
 
 
+def test_twell_1_says_what_each_route_rewrote(runs):
+    """One stderr line per model and route: the patched MLP module, then the inline FFN that
+    Inductor's pre-grad pass rewrote; nothing without TWELL."""
+    def lines(name):
+        return [ln for ln in runs[name][0].stderr.splitlines() if ln.startswith("twell:")]
+
+    assert lines("unset-bare") == []
+    patched, compiled = lines("twell-inductor")
+    assert patched.startswith("twell: rewrote 1 FFN(s) of Sequential (0), skipped 0; l1_coeff 0.5 "), patched
+    assert compiled.startswith("twell: rewrote 1 FFN(s) of Sequential (1) in compiled graphs, "), compiled
+
+
 # ---------------------------------------------------------------------------------------------
 # (b) scripts that never compile: the eager patch
 # ---------------------------------------------------------------------------------------------
@@ -279,6 +291,40 @@ def test_twell_1_eager_patch_is_one_shot_without_relu_ffns(tmp_path):
     assert after_six == after_first, f"patch() ran {after_first} times in the first forward, {after_six} after six"
 
 
+NOTHING_MATCHED_SCRIPT = textwrap.dedent(
+    """
+    import torch, transformers
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    silu = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_act="silu", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=64, max_position_embeddings=16))
+    silu(input_ids=ids, labels=ids).loss.backward()
+    # GPT-2's ReLU FFNs: Conv1D projections, which no route rewrites
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, activation_function="relu"))
+    gpt2(input_ids=ids, labels=ids).loss.backward()
+    print("DONE")
+    """
+)
+
+
+def test_twell_1_warns_when_nothing_matched_and_twell_quiet_silences_it(tmp_path):
+    procs = {quiet: subprocess.Popen([sys.executable, "-c", NOTHING_MATCHED_SCRIPT], cwd=tmp_path, text=True,
+                                     env=clean_env(TWELL="1", **({"TWELL_QUIET": "1"} if quiet else {})),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for quiet in (False, True)}
+    out = {quiet: p.communicate(timeout=300) for quiet, p in procs.items()}
+    for quiet, p in procs.items():
+        assert p.returncode == 0 and "DONE" in out[quiet][0], out[quiet][1][-3000:]
+    loud = out[False][1]
+    assert "no FFN of LlamaForCausalLM has been rewritten" in loud and "TWELL_RELU_GATE=1" in loud, loud[-3000:]
+    assert "TWELL=1 rewrote no FFN of GPT2LMHeadModel" in loud, loud[-3000:]
+    assert "twell" not in out[True][1].lower(), out[True][1][-3000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # (c) invalid TWELL_* values stop the run, naming the variable; (d) import torch stays clean
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +332,7 @@ def test_twell_1_eager_patch_is_one_shot_without_relu_ffns(tmp_path):
 
 @pytest.mark.parametrize("var,value", [("TWELL_L1", "abc"), ("TWELL_L1", "-1"), ("TWELL_L1", "1e39"), ("TWELL_STRICT", "maybe"),
                                        ("TWELL_INNER", "foo"), ("TWELL_QUIET", "loud"), ("TWELL_RELU_GATE", "2"),
-                                       ("TWELL", "flase"), ("TWELL", "garbage")])
+                                       ("TWELL", "flase"), ("TWELL", "garbage"), ("TWELL_PLAIN_LAUNCH", "2")])
 def test_invalid_env_value_exits_naming_the_variable(var, value, tmp_path):
     """One line on stderr naming the variable, exit status 2, no traceback; nothing runs after
     ``import torch`` (a typo in TWELL must not switch twell on, nor train without it silently)."""
@@ -296,6 +342,14 @@ def test_invalid_env_value_exits_naming_the_variable(var, value, tmp_path):
     assert "IMPORTED" not in proc.stdout
     assert var in proc.stderr and value in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_unknown_twell_variable_exits_naming_the_accepted_ones(tmp_path):
+    """A misspelt name (``TWELL_L1_COEF``) would leave its setting silently unapplied."""
+    proc = run_python(["-c", "import torch; print('IMPORTED')"], clean_env(TWELL="1", TWELL_L1_COEF="1e-3"), tmp_path)
+    assert proc.returncode == 2 and "IMPORTED" not in proc.stdout
+    assert proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "TWELL_L1_COEF is not a twell variable" in proc.stderr and "TWELL_L1, " in proc.stderr, proc.stderr
 
 
 FFN_FIRST_SCRIPT = textwrap.dedent(
@@ -454,3 +508,190 @@ def test_patched_model_under_autocast(fresh):
         got, want = model(x), ref(x)
     assert got.dtype == want.dtype == torch.bfloat16
     assert_close(got, want, rtol=2e-2, atol=2e-2, name="autocast")
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) TWELL=1's first-call hook and compile wrapper, in process
+# ---------------------------------------------------------------------------------------------
+
+IN_PROCESS_L1 = 0.25
+
+
+@pytest.fixture
+def twell_1(monkeypatch):
+    """TWELL=1 in this process, ``TWELL_L1=0.25``: its first-call hook and its ``torch.compile``
+    wrapper, both removed afterwards; not its Inductor routes, which would outlive the test."""
+    from twell_compile import activate
+    from twell_compile.options import TwellOptions
+
+    reset_state()
+    monkeypatch.delenv("TWELL_QUIET", raising=False)
+    monkeypatch.setattr(activate, "_options", TwellOptions(l1_coeff=IN_PROCESS_L1))
+    monkeypatch.setattr(activate, "_announced", set())
+    monkeypatch.setattr(activate, "_roots_without_ffn", 0)
+    monkeypatch.setattr(activate, "install_compile_routes", lambda: None)
+    monkeypatch.setattr(torch, "compile", activate._compile_wrapper(torch.compile))
+    monkeypatch.setattr(activate, "_hook_handle",
+                        torch.nn.modules.module.register_module_forward_pre_hook(activate._patch_on_first_call))
+    yield IN_PROCESS_L1
+    activate._remove_hook()
+    reset_state()
+
+
+def _summary_lines(capfd) -> list[str]:
+    return [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("twell:")]
+
+
+def test_blocks_compiled_one_by_one_share_the_models_l1_mean(twell_1, capfd):
+    """``torch.compile`` on each block, as regional compilation does: each block's FFN is
+    registered on its first call under the model calling it, so the L1 term is the mean over the
+    model's three layers (not their sum), and the layers carry their full names."""
+    torch.manual_seed(0)
+    model = ResidualStack(16, 40, n=3, kinds=("gated", "plain"))
+    ref = copy.deepcopy(model)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend="aot_eager")
+    x = torch.randn(2, 5, 16)
+    model(x).square().mean().backward()
+    eager_loss(ref, lambda: ref(x), lambda o: o.square().mean(), twell_1).backward()
+    for i, block in enumerate(model.layers):
+        assert_grads_close(block._orig_mod, ref.layers[i], rtol=1e-4, atol_frac=1e-5, prefix=f"layers.{i}.")
+    assert [r.where for r in twell_compile.report().rewritten] == ["layers.0", "layers.1", "layers.2"]
+    assert [s.where for s in twell_compile.stats(model).layers] == ["layers.0", "layers.1", "layers.2"]
+    (line,) = _summary_lines(capfd)
+    assert line.startswith("twell: rewrote 3 FFN(s) of ResidualStack (layers.*), skipped 0; l1_coeff 0.25 "), line
+
+
+def test_a_frozen_teacher_called_first_leaves_the_hook_for_the_student(twell_1, capfd):
+    """The first model called runs without grad (a teacher): it is patched, and so is the student
+    called next, which trains with the L1 term."""
+    from twell_compile import activate
+
+    torch.manual_seed(0)
+    student = ResidualStack(16, 40, n=2)
+    teacher = copy.deepcopy(student).eval()
+    ref = copy.deepcopy(student)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        target = teacher(x)
+    assert activate._hook_handle is not None
+    (student(x) - target).square().mean().backward()
+    assert activate._hook_handle is None  # the model that trains is patched
+    eager_loss(ref, lambda: ref(x), lambda o: (o - target).square().mean(), twell_1).backward()
+    assert_grads_close(student, ref, rtol=1e-4, atol_frac=1e-5)
+    assert len(twell_compile.stats(student).layers) == 2 and len(twell_compile.stats(teacher).layers) == 2
+    first, second = _summary_lines(capfd)
+    assert "of ResidualStack" in first and "eval mode or without grad" in first, first
+    assert "of ResidualStack" in second and "eval mode" not in second, second
+
+
+def test_an_ffn_called_first_with_a_keyword_argument_runs_patched_and_hooks_fire_once(twell_1):
+    torch.manual_seed(0)
+    model = GatedFFN(16, 40)
+    ref = copy.deepcopy(model)
+    before, after = [], []
+    model.register_forward_pre_hook(lambda mod, args, kwargs: before.append(kwargs), with_kwargs=True)
+    model.register_forward_hook(lambda mod, args, out: after.append(out.detach()))
+    x = torch.randn(4, 16)
+    out = model(x=x)
+    out.square().mean().backward()
+    eager_loss(ref, lambda: ref(x), lambda o: o.square().mean(), twell_1).backward()
+    assert_grads_close(model, ref, rtol=1e-4, atol_frac=1e-5)
+    assert len(before) == 1 and len(after) == 1
+    assert_close(after[0], out.detach(), rtol=0, atol=0, name="what the forward hook saw")
+
+
+class InlineWithLinears(nn.Module):
+    """Two ``nn.Linear`` children (a candidate for the patch) around an FFN written inline, which
+    only a compile route can rewrite."""
+
+    def __init__(self, d=16, h=40):
+        super().__init__()
+        self.emb = nn.Linear(d, d)
+        self.head = nn.Linear(d, d)
+        self.w_up = nn.Parameter(torch.randn(h, d) / d**0.5)
+        self.w_down = nn.Parameter(torch.randn(d, h) / h**0.5)
+
+    def forward(self, x):
+        x = self.emb(x)
+        return self.head(x + torch.relu(x @ self.w_up.T) @ self.w_down.T)
+
+
+class Conv1D(nn.Module):
+    """HF GPT-2's projection: ``x @ W + b`` with W of shape [in, out]."""
+
+    def __init__(self, nx, nf):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx**0.5)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
+
+
+class Gpt2Mlp(nn.Module):
+    def __init__(self, d=16, h=40):
+        super().__init__()
+        self.c_fc = Conv1D(d, h)
+        self.c_proj = Conv1D(h, d)
+
+    def forward(self, x):
+        return self.c_proj(torch.relu(self.c_fc(x)))
+
+
+def _twell_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "twell" in str(w.message)]
+
+
+def test_compiled_models_warn_only_when_no_route_rewrote_anything(twell_1):
+    import warnings
+
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        # patch() cannot replace the inline FFN, but the compiled graph has it rewritten
+        torch.compile(InlineWithLinears(), backend="twell", options={"inner": "aot_eager"})(x)
+        assert [r.graph != "patch" for r in twell_compile.report().rewritten] == [True]
+        # a model patched at its first call, then compiled, and a wrapper around it compiled
+        model = ResidualStack(16, 40, n=2)
+        model(x)
+        torch.compile(model, backend="aot_eager")(x)
+        torch.compile(nn.Sequential(model), backend="aot_eager")(x)
+        assert _twell_warnings(record) == []
+        # nothing to rewrite (GPT-2's Conv1D projections): said after the first call, not before
+        compiled = torch.compile(nn.Sequential(Gpt2Mlp(), Gpt2Mlp()), backend="aot_eager")
+        assert _twell_warnings(record) == []
+        compiled(x)
+    (message,) = _twell_warnings(record)
+    assert message.startswith("twell: TWELL=1 rewrote no FFN of Sequential: "), message
+
+
+def test_a_model_of_conv1d_ffns_is_said_to_have_none_rewritten(twell_1):
+    with pytest.warns(RuntimeWarning, match="TWELL=1 rewrote no FFN of Sequential: none of its modules is a ReLU FFN"):
+        nn.Sequential(Gpt2Mlp(), Gpt2Mlp())(torch.randn(4, 16))
+
+
+def test_a_framework_that_compiles_a_method_itself_gets_the_layers_before_tracing(twell_1):
+    """Lightning's ``torch.compile(lightning_module)`` keeps only the compile context and applies it
+    to ``training_step``: the layers are registered when Dynamo starts, so tracing never stops
+    to register them (one graph, no break) and the L1 term is the mean over the model's layers."""
+    from torch._dynamo.utils import counters
+
+    class Lit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = ResidualStack(16, 40, n=3, kinds=("gated", "plain"))
+
+        def training_step(self, x):
+            return self.model(x).square().mean()
+
+    torch.manual_seed(0)
+    lit = Lit()
+    ref = copy.deepcopy(lit.model)
+    step = torch.compile(lit, backend="aot_eager").dynamo_ctx(lit.training_step)
+    counters.clear()
+    x = torch.randn(4, 16)
+    step(x).backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    eager_loss(ref, lambda: ref(x), lambda o: o.square().mean(), twell_1).backward()
+    assert_grads_close(lit.model, ref, rtol=1e-4, atol_frac=1e-5)

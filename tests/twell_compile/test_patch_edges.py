@@ -132,3 +132,100 @@ def test_mixed_dtypes_outside_autocast_fail_as_eager_does():
     twell_compile.patch(patched)
     with pytest.raises((RuntimeError, ValueError), match="dtype"):
         patched(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks on a projection: the op would bypass them, so the module runs its own forward
+# ---------------------------------------------------------------------------------------------
+
+
+def _hook_down(model, kind, seen):
+    """A hook that sees each call of ``model[0].down``; returns what removes it."""
+    down = model[0].down
+    if kind == "forward hook":
+        handle = down.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+        return handle.remove
+    if kind == "global hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: seen.append(out.shape) if mod is down else None)
+        return handle.remove
+    from accelerate import cpu_offload  # weights on meta, loaded by hooks that replace each forward
+    from accelerate.hooks import remove_hook_from_submodules
+
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    return lambda: remove_hook_from_submodules(model)
+
+
+@pytest.mark.parametrize("kind", ["forward hook", "global hook", "accelerate cpu_offload"])
+def test_a_hooked_projection_runs_the_modules_own_forward_and_says_so(kind):
+    torch.manual_seed(0)
+    model = nn.Sequential(DownFirst())
+    ref = copy.deepcopy(model)
+    twell_compile.patch(model, l1_coeff=L1)
+    x = torch.randn(4, D)
+    seen = []
+    remove = _hook_down(model, kind, seen)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"0 runs its own forward.*(hooks|replaced on the instance)"):
+            out = model(x)
+        assert_close(out, ref(x), rtol=1e-6, atol=1e-6, name=kind)
+        if kind != "accelerate cpu_offload":
+            assert len(seen) == 1  # the hook ran, once
+        assert any(s.reason is twell_compile.SkipReason.PATCH_FALLBACK for s in twell_compile.report().skipped)
+    finally:
+        remove()
+    if kind == "accelerate cpu_offload":
+        return  # its weights stay offloaded
+    # Hooks gone: the TwELL op again, L1 term included.
+    model.zero_grad()
+    model(x).square().mean().backward()
+    eager_loss(ref, lambda: ref(x), lambda o: o.square().mean(), L1, modules=[ref[0]]).backward()
+    assert_grads_close(model, ref, rtol=1e-4, atol_frac=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# FFN-like modules patch() cannot replace are reported, never skipped in silence
+# ---------------------------------------------------------------------------------------------
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+
+    def forward(self, x, residual):
+        return residual + self.down(F.relu(self.up(x)))
+
+
+class ScaledInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+
+    def hidden(self, x):
+        return F.relu(self.up(x * 2))
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x * 2)))
+
+
+def test_patch_reports_the_ffn_like_modules_it_leaves_alone():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"two": TwoInputs(), "scaled": ScaledInput(),
+                           "tanh": nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D))})  # not FFN-like
+    with pytest.warns(RuntimeWarning, match="no FFN of ModuleDict has been rewritten"):
+        result = twell_compile.patch(model, l1_coeff=L1)
+    assert not result.rewritten
+    reasons = [(s.where, s.reason) for s in result.skipped]
+    assert reasons == [("two", twell_compile.SkipReason.EXTRA_INPUTS), ("scaled", twell_compile.SkipReason.NOT_WHOLE_MODULE)]
+    assert result.skipped[0].detail == "forward(x, residual)"
+    assert [(s.where, s.reason) for s in twell_compile.report().skipped] == reasons
+    # "torch.compile can": the compile route rewrites the one the patch left, L1 term included.
+    scaled = model["scaled"]
+    ref = copy.deepcopy(scaled)
+    x = torch.randn(3, D)
+    torch.compile(scaled, backend="twell", options={"inner": "aot_eager", "l1_coeff": L1})(x).square().mean().backward()
+    eager_loss(ref, lambda: ref(x), lambda o: o.square().mean(), L1, modules=[ref]).backward()
+    assert_grads_close(scaled, ref, rtol=1e-4, atol_frac=1e-5)
