@@ -171,25 +171,65 @@ if int(os.environ.get("RANK", "0")) == 0:
 '''
 
 
-def test_hf_trainer_on_two_processes_trains_as_one(tmp_path):
-    """TWELL=1 with an unmodified Trainer script: two ranks of 2 sequences each log the losses of
-    one process of 4 (the same global batches, the L1 term on)."""
+ACCELERATE_SCRIPT = '''
+import json, os, sys, torch
+from accelerate import Accelerator
+from transformers import LlamaConfig, LlamaForCausalLM
+
+per_device, out = int(sys.argv[1]), sys.argv[2]
+acc = Accelerator(cpu=True)
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_act="relu", hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=4, vocab_size=96,
+                                     max_position_embeddings=32))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = acc.prepare(model, opt)
+losses = []
+for step in range(3):
+    ids = torch.randint(0, 96, (4, 10), generator=torch.Generator().manual_seed(100 + step))
+    ids = ids[acc.process_index * per_device:(acc.process_index + 1) * per_device]
+    loss = model(input_ids=ids, labels=ids).loss
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    losses.append(float(acc.reduce(loss.detach(), reduction="mean")))
+import twell_compile
+if acc.is_main_process:
+    json.dump({"losses": losses, "rewritten": len(twell_compile.report().rewritten)},
+              open(os.path.join(out, "trainer.json"), "w"))
+'''
+
+
+def _one_and_two_processes(tmp_path: Path, source: str, l1: str) -> dict:
+    """An unmodified script under TWELL=1: one process of 4 sequences, and two ranks of 2."""
     import json
 
-    script = tmp_path / "trainer_script.py"
-    script.write_text(TRAINER_SCRIPT)
+    script = tmp_path / "script.py"
+    script.write_text(source)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TWELL")}
-    env.update(TWELL="1", TWELL_L1="0.05", TWELL_QUIET="1", OMP_NUM_THREADS="1")
+    env.update(TWELL="1", TWELL_L1=l1, TWELL_QUIET="1", OMP_NUM_THREADS="1")
     runs = {}
     for name, cmd in {
-        "one": [sys.executable, str(script), "4", str(tmp_path / "one")],
+        "one": [sys.executable, str(script), "4", str(tmp_path / f"one{l1}")],
         "two": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(_free_port()), str(script), "2", str(tmp_path / "two")],
+                "--master_port", str(_free_port()), str(script), "2", str(tmp_path / f"two{l1}")],
     }.items():
-        (tmp_path / name).mkdir()
+        (tmp_path / f"{name}{l1}").mkdir()
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{name}:\n{proc.stderr[-5000:]}"
-        runs[name] = json.loads((tmp_path / name / "trainer.json").read_text())
+        runs[name] = json.loads((tmp_path / f"{name}{l1}" / "trainer.json").read_text())
+    return runs
+
+
+@pytest.mark.parametrize("client", ["trainer", "accelerate"])
+def test_hf_trainer_and_accelerate_on_two_processes_train_as_one(tmp_path, client):
+    """TWELL=1 with an unmodified Trainer or accelerate script: two ranks of 2 sequences each log
+    the losses of one process of 4 (the same global batches, the L1 term on)."""
+    source = TRAINER_SCRIPT if client == "trainer" else ACCELERATE_SCRIPT
+    runs = _one_and_two_processes(tmp_path, source, "0.05")
     assert runs["one"]["rewritten"] == runs["two"]["rewritten"] == 2
     assert len(runs["one"]["losses"]) == 3
     assert runs["two"]["losses"] == pytest.approx(runs["one"]["losses"], rel=1e-5)
+    if client == "accelerate":  # the term moves these losses far past the tolerance above
+        without = _one_and_two_processes(tmp_path, source, "0")["one"]["losses"]
+        assert without[2] != pytest.approx(runs["one"]["losses"][2], rel=1e-5)
