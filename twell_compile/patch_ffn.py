@@ -1,11 +1,8 @@
 """Eager rewrite of FFN modules, for scripts that never compile and for DDP.
 
-``patch(model)`` traces each small module that could be an FFN (two or three linear children) with
-``torch.fx.symbolic_trace``, linears and ReLUs inlined, so the graph has the same ``F.linear`` /
-``F.relu`` nodes Dynamo produces and the same matcher (``match_ffn``) decides. Example values come
-from meta tensors of the parameters' shapes and dtypes, so a module whose parameters are sharded
-DTensors (FSDP2) traces too. A module whose whole forward is one FFN gets a ``forward`` that calls
-the TwELL op.
+``patch(model)`` finds each module whose whole forward is one FFN (``module_ffn.py``: traced with
+``torch.fx`` and decided by the same matcher as the compile routes) and gives it a ``forward``
+that calls the TwELL op.
 
 A patched module stays an ordinary module (``docs/usage.md``, "Patched modules"):
 
@@ -44,18 +41,16 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 from . import density_control, layers, lowering, loss_scaling_hooks, reporting
 from .l1 import forward_value
-from .match_ffn import FfnMatch, find_ffns
+from .module_ffn import ROLES, Roles, dtype_name, examine, hidden_width, is_candidate, lora_base
 from .module_paths import ModelIndex, calling_model, clean_path, display_name, gathers_weights, unwrap
 from .options import TwellOptions
 from .reporting import Rewritten, SkipReason, Skipped
 
 STATE_ATTR = "_twell_ffn"
-_ROLES = ("gate", "up", "down")
 
 
 @dataclass
@@ -104,7 +99,7 @@ def patch_modules(model: nn.Module, opts: TwellOptions, *, register_on_call: boo
     found = []
     root = unwrap(model)
     for name, mod in root.named_modules():
-        if STATE_ATTR in mod.__dict__ or not _is_candidate(mod):
+        if STATE_ATTR in mod.__dict__ or not is_candidate(mod):
             continue
         path = clean_path(name)
         where = display_name(root, path)
@@ -112,7 +107,7 @@ def patch_modules(model: nn.Module, opts: TwellOptions, *, register_on_call: boo
         # would be a side effect inside a compiled region.
         roles, skips = {}, {}
         for mode in (mod.training, not mod.training):
-            roles[mode], skips[mode] = _examine(mod, where, mode, opts.relu_gate)
+            roles[mode], skips[mode] = examine(mod, where, mode, opts.relu_gate)
         if any(r is not None for r in roles.values()):
             found.append((path, where, mod, roles))  # the other mode, if it differs, runs the module's own forward
         else:
@@ -126,7 +121,7 @@ def patch_modules(model: nn.Module, opts: TwellOptions, *, register_on_call: boo
         state = FFNPatch(where, opts, roles, mod.__dict__.get("forward"))
         kind = roles[mod.training] or roles[not mod.training]
         op = "twell::ffn / ffn_train (patched)" + (f", {kind.gate_activation} gate as ReLU" if kind.gate_activation != "ReLU" else "")
-        state.unreported = (kind.kind, kind.biases, _dtype_name(mod), op)
+        state.unreported = (kind.kind, kind.biases, dtype_name(mod), op)
         if register_on_call:
             _waiting[mod] = (weakref.ref(root), path)
         else:
@@ -170,216 +165,6 @@ def register_waiting(model: Optional[nn.Module], modules=()) -> list[Rewritten]:
     done = [r for r in done if r is not None]
     reporting.record(done, [], graphs=0)
     return done
-
-
-# ---------------------------------------------------------------------------------------------
-# Finding the FFN in a module
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Roles:
-    """Which child module is each projection of a matched FFN."""
-
-    children: tuple  # (gate child name or None, up child name, down child name)
-    kind: str
-    biases: str
-    gate_activation: str = "ReLU"  # what the module computes; the op computes ReLU
-
-
-def _linear_like(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or _lora_base(m) is not None
-
-
-def _lora_base(m: nn.Module) -> Optional[nn.Linear]:
-    """A PEFT LoRA layer's wrapped ``nn.Linear`` (duck-typed: peft need not be installed)."""
-    base = getattr(m, "base_layer", None)
-    return base if isinstance(base, nn.Linear) and hasattr(m, "lora_A") and hasattr(m, "lora_B") else None
-
-
-def _is_candidate(mod: nn.Module) -> bool:
-    children = list(mod.children())
-    linears = [c for c in children if _linear_like(c)]
-    others = [c for c in children if not _linear_like(c)]
-    # Anything besides linears must be parameter-free (an activation module, dropout, ...).
-    return 2 <= len(linears) <= 3 and all(not any(True for _ in c.parameters()) for c in others)
-
-
-class _InlineTracer(fx.Tracer):
-    """Inline nn.Linear and nn.ReLU so they appear as F.linear / F.relu, as Dynamo shows them; a
-    LoRA layer stays a leaf, which ``_lora_as_linear`` turns into its base layer's ``F.linear``."""
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if _lora_base(m) is not None:
-            return True
-        if isinstance(m, (nn.Linear, nn.ReLU)):
-            return False
-        return super().is_leaf_module(m, qualname)
-
-
-def _examine(mod: nn.Module, where: str, training: bool, relu_gate: bool) -> tuple[Optional[Roles], list[Skipped]]:
-    """Trace ``mod`` in ``training`` mode and match it: its roles if its whole forward is one FFN
-    (a SiLU/GELU-gated one only with ``relu_gate``). An FFN-like module left alone is in the skips."""
-    was_training = mod.training
-    try:
-        mod.train(training)
-        gm = _trace(mod)
-    except Exception as exc:  # noqa: BLE001 - a module we cannot trace is recorded, never fatal
-        return None, [Skipped(where, SkipReason.TRACE_FAILED, f"{type(exc).__name__}: {exc}"[:300], "patch")]
-    finally:
-        mod.train(was_training)
-    matches, skipped = find_ffns(gm)
-    skipped = [Skipped(f"{where}.{s.where}", s.reason, s.detail, "patch") for s in skipped]
-    inputs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(inputs) != 1:
-        # The patched forward takes one tensor; what the patterns need from the others is unknown.
-        if matches or skipped:
-            return None, [Skipped(where, SkipReason.EXTRA_INPUTS, f"forward({', '.join(inputs)})", "patch")]
-        return None, []
-    if len(matches) == 1 and _is_whole_forward(gm, matches[0]):
-        m = matches[0]
-        if m.gate_activation != "ReLU" and not relu_gate:
-            return None, skipped + [Skipped(where, SkipReason.NOT_RELU, m.gate_activation, "patch")]
-        roles = _roles(m)
-        if roles is None:  # the patched forward reads the projections from the module's children
-            skipped.append(Skipped(where, SkipReason.NOT_WHOLE_MODULE, "a projection's weight is not an nn.Linear child's",
-                                   "patch"))
-        return roles, skipped
-    if matches:
-        detail = f"{len(matches)} FFN(s) inside a larger forward"
-        if len(matches) == 1 and matches[0].x.op != "placeholder":
-            detail = "its input goes through other operations before the FFN"
-        skipped.append(Skipped(where, SkipReason.NOT_WHOLE_MODULE, detail, "patch"))
-    return None, skipped
-
-
-def _trace(mod: nn.Module) -> fx.GraphModule:
-    """The module's graph, its nodes carrying example values from meta tensors where they depend
-    only on the first input (a 2-D ``[1, D]`` tensor, D read from a projection)."""
-    graph = _InlineTracer().trace(mod)
-    gm = fx.GraphModule(mod, graph)
-    _lora_as_linear(gm)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not placeholders:
-        return gm
-    dtype = next(mod.parameters()).dtype
-    errors = []
-    for d_model in _input_features(gm, placeholders[0]):
-        try:
-            _meta_values(gm, torch.empty(1, d_model, dtype=dtype, device="meta"))
-            return gm
-        except Exception as exc:  # noqa: BLE001 - try the next candidate D
-            errors.append(exc)
-    if errors:
-        raise errors[0]
-    return gm
-
-
-def _lora_as_linear(gm: fx.GraphModule) -> None:
-    """``call_module`` of a LoRA layer → ``F.linear`` of its base layer's parameters (the adapters
-    are added at call time)."""
-    for node in list(gm.graph.nodes):
-        if node.op != "call_module":
-            continue
-        base = _lora_base(gm.get_submodule(node.target))
-        if base is None:
-            continue
-        with gm.graph.inserting_before(node):
-            w = gm.graph.get_attr(f"{node.target}.base_layer.weight")
-            b = gm.graph.get_attr(f"{node.target}.base_layer.bias") if base.bias is not None else None
-            linear = gm.graph.call_function(F.linear, (node.args[0], w, b))
-        node.replace_all_uses_with(linear)
-        gm.graph.erase_node(node)
-    gm.recompile()
-
-
-def _input_features(gm: fx.GraphModule, x: fx.Node) -> list[int]:
-    """Candidates for D: the input features of the linears that read the input (whatever the order
-    the linears were declared), then of the others (the input may pass through other ops first)."""
-    direct, others = [], []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear) and len(node.args) > 1:
-            weight = node.args[1]
-            if isinstance(weight, fx.Node) and weight.op == "get_attr":
-                (direct if node.args[0] is x else others).append(_attr(gm, weight.target).shape[-1])
-    return list(dict.fromkeys(direct + others))
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-class _MetaValues(fx.Interpreter):
-    """Example values on the meta device: parameters of any kind (DTensor too) become meta tensors
-    of their full shape and dtype, so nothing real runs."""
-
-    def fetch_attr(self, target: str):
-        value = super().fetch_attr(target)
-        if isinstance(value, torch.Tensor):
-            return torch.empty(tuple(value.shape), dtype=value.dtype, device="meta", requires_grad=value.requires_grad)
-        return value
-
-    def run_node(self, n: fx.Node):
-        with torch.no_grad():
-            value = super().run_node(n)
-        n.meta["example_value"] = value
-        return value
-
-
-def _meta_values(gm: fx.GraphModule, x: torch.Tensor) -> None:
-    """Run ``gm`` on meta tensors from the first input ``x``; nodes that need another input keep no
-    value (the matcher still sees the FFN-like patterns among the others)."""
-    interpreter = _MetaValues(gm, garbage_collect_values=False)
-    for node in gm.graph.nodes:
-        node.meta.pop("example_value", None)
-    first = True
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            if first:
-                interpreter.env[node] = node.meta["example_value"] = x
-                first = False
-        elif node.op != "output" and all(n in interpreter.env for n in node.all_input_nodes):
-            interpreter.env[node] = interpreter.run_node(node)
-
-
-def _is_whole_forward(gm: fx.GraphModule, m: FfnMatch) -> bool:
-    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
-    return output.args[0] is m.down.out and m.x.op == "placeholder"
-
-
-def _roles(m: FfnMatch) -> Optional[Roles]:
-    """The child module of each projection (``gate_proj.weight`` → ``gate_proj``), or None if a
-    weight is not a direct child's (the patched forward reads children)."""
-
-    def child(proj) -> Optional[str]:
-        if proj is None:
-            return None
-        node = proj.weight
-        if node.op != "get_attr":
-            return ""
-        parts = node.target.split(".")
-        if parts[-1] != "weight" or len(parts) not in (2, 4) or (len(parts) == 4 and parts[1] != "base_layer"):
-            return ""
-        return parts[0]
-
-    names = tuple(child(p) for p in (m.gate, m.up, m.down))
-    if "" in names:
-        return None
-    biases = ",".join(role for role, proj in zip(_ROLES, (m.gate, m.up, m.down)) if proj is not None and proj.bias is not None)
-    return Roles(names, m.kind, biases or "none", m.gate_activation)
-
-
-def _hidden(mod: nn.Module, roles: Roles) -> int:
-    """H of a patched FFN module: the outputs of its up projection."""
-    up = getattr(mod, roles.children[1])
-    return (up if isinstance(up, nn.Linear) else _lora_base(up)).out_features
-
-
-def _dtype_name(mod: nn.Module) -> str:
-    return str(next(mod.parameters()).dtype).replace("torch.", "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,7 +220,7 @@ class FFNPatch:
         """The layer under ``model``; the first registration returns the report's entry for it."""
         name = display_name(model, identity) if isinstance(identity, str) else self.where
         roles = next(r for r in self.roles.values() if r is not None)
-        self.layer = layers.register(model, identity, name, device, hidden=_hidden(module, roles), l1_coeff=self.l1_coeff)
+        self.layer = layers.register(model, identity, name, device, hidden=hidden_width(module, roles), l1_coeff=self.l1_coeff)
         if model is not None and gathers_weights(model):  # FSDP2: no per-weight cache outlives a reshard
             lowering.mark_gathered_weight_layers([self.layer.id])
         opts = self.options
@@ -526,7 +311,7 @@ def _parameters(state: FFNPatch, module: nn.Module, roles: Roles) -> Optional[li
         state._fall_back(module, "global module hooks are registered, which the op would bypass in its projections")
         return None
     weights, biases = {}, {}
-    for role, name in zip(_ROLES, roles.children):
+    for role, name in zip(ROLES, roles.children):
         if name is None:
             weights[role] = biases[role] = None
             continue
@@ -544,7 +329,7 @@ def _linear_parameters(child, training: bool):
     saying why not otherwise."""
     if type(child) is nn.Linear or (isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward):
         return _hooked(child) or (child.weight, child.bias)
-    base = _lora_base(child) if isinstance(child, nn.Module) else None
+    base = lora_base(child) if isinstance(child, nn.Module) else None
     if base is None:
         return f"a {type(child).__name__}, not an nn.Linear"
     hooked = next((h for h in map(_hooked, child.modules()) if h), None)
