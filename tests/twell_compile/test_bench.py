@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from twell_compile import bench
+from twell_compile import bench, bench_timing
 
 M, D, H = 2048, 256, 512
 
@@ -263,7 +263,7 @@ def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
-    monkeypatch.setattr(bench, "L2_FLUSH_BYTES", 64)
+    monkeypatch.setattr(bench_timing, "L2_FLUSH_BYTES", 64)
     real_empty = torch.empty
 
     def flush_buffer(*shape, device=None, **kwargs):  # the flush buffer, on the CPU here
@@ -288,8 +288,8 @@ def test_interleaved_timing_alternates_the_providers_order(monkeypatch):
 
     # "c"'s first call of each sample is slow: per call, the median is its usual 0.5 (the median
     # of per-sample means would be 2.5)
-    times = bench.interleaved_ms({"a": provider("a", 1.0), "b": provider("b", 3.0), "c": provider("c", 0.5, 6.5)},
-                                 warmup=1, reps=4, calls=3)
+    times = bench_timing.interleaved_ms({"a": provider("a", 1.0), "b": provider("b", 3.0), "c": provider("c", 0.5, 6.5)},
+                                        warmup=1, reps=4, calls=3)
     assert times == {"a": 1.0, "b": 3.0, "c": 0.5}
     assert calls[:4] == ["a", "b", "c", "sync"]  # warm-up
     sample = {name: ["flush", name] * 3 + ["sync"] for name in "abc"}
