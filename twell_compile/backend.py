@@ -19,7 +19,8 @@ from .cache_salt import salted_config_patches
 from .module_paths import calling_model
 from .options import TwellOptions
 from .pre_grad import REWRITTEN_META
-from .rewrite_ffn import add_dense_counters, copy_graph_module, rewrite_ffns
+from .regions import copy_graph_module
+from .rewrite_ffn import add_dense_counters, rewrite_ffns
 
 _graph_ids = itertools.count()
 _checkpointed_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()

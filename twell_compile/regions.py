@@ -1,4 +1,5 @@
-"""Where FFNs are rewritten in a Dynamo graph: the graph itself, and its activation-checkpoint bodies.
+"""Where FFNs are rewritten in a Dynamo graph: the graph itself, and its activation-checkpoint bodies;
+and ``copy_graph_module``, the copy of a graph that the backend and a body's rewrite start from.
 
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` and ``checkpoint_wrapper`` reach
 the backend as a ``tag_activation_checkpoint`` higher-order op whose body is a graph of its own,
@@ -29,8 +30,6 @@ class Region:
         self._outer: dict[fx.Node, fx.Node] = {}
         self._threaded: dict[fx.Node, fx.Node] = {}
         if hop is not None:
-            from .rewrite_ffn import copy_graph_module
-
             name = hop.args[0].target
             self.gm = copy_graph_module(getattr(top, name))
             setattr(top, name, self.gm)
@@ -70,3 +69,20 @@ def graph_regions(gm: fx.GraphModule) -> list[Region]:
             if checkpoint is not None and n.op == "call_function" and n.target is checkpoint
             and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
     return [Region(gm)] + [Region(gm, hop) for hop in hops]
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A second GraphModule over a copy of ``gm``'s graph (node meta shared, not deep-copied), with
+    the Dynamo attributes AOTAutograd reads."""
+    graph = fx.Graph()
+    nodes: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, nodes))
+    for old, new in nodes.items():
+        if hasattr(old, "_dynamo_source"):  # AOTAutograd reads each placeholder's Dynamo source
+            new._dynamo_source = old._dynamo_source
+    copy = fx.GraphModule(gm, graph)
+    copy.meta = dict(gm.meta)
+    sources = getattr(gm, "_param_name_to_source", None)
+    if isinstance(sources, dict):
+        copy._param_name_to_source = dict(sources)
+    return copy

@@ -114,23 +114,6 @@ def add_dense_counters(gm: fx.GraphModule, options: TwellOptions, rewritten: lis
     return True
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A second GraphModule over a copy of ``gm``'s graph (node meta shared, not deep-copied), with
-    the Dynamo attributes AOTAutograd reads."""
-    graph = fx.Graph()
-    nodes: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, nodes))
-    for old, new in nodes.items():
-        if hasattr(old, "_dynamo_source"):  # AOTAutograd reads each placeholder's Dynamo source
-            new._dynamo_source = old._dynamo_source
-    copy = fx.GraphModule(gm, graph)
-    copy.meta = dict(gm.meta)
-    sources = getattr(gm, "_param_name_to_source", None)
-    if isinstance(sources, dict):
-        copy._param_name_to_source = dict(sources)
-    return copy
-
-
 class GraphOwner:
     """The model whose call is compiling a graph, and how to name the graph's FFNs in it."""
 
