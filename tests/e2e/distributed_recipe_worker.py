@@ -87,9 +87,10 @@ def run(route: str) -> dict:
 
 
 def main() -> None:
-    from distributed_worker import run_routes  # the script's folder is first on sys.path
+    from distributed_worker import exit_now, run_routes  # the script's folder is first on sys.path
 
     run_routes(run, sys.argv[1], sys.argv[2:])
+    exit_now()
 
 
 if __name__ == "__main__":

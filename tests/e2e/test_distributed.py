@@ -168,6 +168,10 @@ import twell_compile
 if int(os.environ.get("RANK", "0")) == 0:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     json.dump({"losses": losses, "rewritten": len(twell_compile.report().rewritten)}, open(os.path.join(out, "trainer.json"), "w"))
+# Exit without the interpreter's teardown (see EXIT_NOTE in distributed_worker.py).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 '''
 
 
@@ -197,6 +201,10 @@ import twell_compile
 if acc.is_main_process:
     json.dump({"losses": losses, "rewritten": len(twell_compile.report().rewritten)},
               open(os.path.join(out, "trainer.json"), "w"))
+# Exit without the interpreter's teardown (see EXIT_NOTE in distributed_worker.py).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 '''
 
 
