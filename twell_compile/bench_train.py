@@ -123,16 +123,18 @@ class Batches:
         self.train, self.val = text[:split].to(device), text[split:].to(device)
         self.batch, self.seq, self.seed = batch, seq, seed
         gen = torch.Generator().manual_seed(seed + 1)
-        starts = torch.randint(0, len(self.val) - seq - 1, (val_batches, batch), generator=gen)
+        starts = torch.randint(0, len(self.val) - seq, (val_batches, batch), generator=gen)
         self.val_set = [self._take(self.val, s) for s in starts]
 
     def _take(self, data: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        idx = starts.to(data.device)[:, None] + torch.arange(self.seq + 1, device=data.device)
+        # ``seq`` tokens a sequence, used as both input_ids and labels: the model shifts the labels
+        # itself (position i predicts token i + 1), as every Hugging Face training script relies on.
+        idx = starts.to(data.device)[:, None] + torch.arange(self.seq, device=data.device)
         return data[idx].long()
 
     def for_step(self, step: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return self._take(self.train, torch.randint(0, len(self.train) - self.seq - 1, (self.batch,), generator=gen))
+        return self._take(self.train, torch.randint(0, len(self.train) - self.seq, (self.batch,), generator=gen))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +220,7 @@ def train_turn(v: Variant, batches: Batches, first: int, last: int, cfg: TrainCo
         if mark is not None:
             mark()
         with autocast:
-            loss = v.compiled(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
+            loss = v.compiled(input_ids=tokens, labels=tokens).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(v.model.parameters(), 1.0)
         v.optimizer.step()
@@ -258,7 +260,7 @@ def val_loss(v: Variant, batches: Batches, cfg: TrainConfig) -> float:
         model.eval()
         for tokens in batches.val_set:
             with autocast:
-                losses.append(float(model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss))
+                losses.append(float(model(input_ids=tokens, labels=tokens).loss))
         model.train()
     return statistics.fmean(losses)
 
@@ -281,7 +283,7 @@ def hook_densities(model, tokens: torch.Tensor, cfg: TrainConfig) -> list[float]
     try:
         model.eval()
         with autocast:
-            model(input_ids=tokens[:, :-1])
+            model(input_ids=tokens)
     finally:
         model.train()
         for h in handles:

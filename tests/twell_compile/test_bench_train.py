@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from twell_compile import bench, bench_train
+from twell_compile import bench, bench_train, density_control
 
 
 TINY = ["--device", "cpu", "--hidden", "32", "--intermediate", "128", "--layers", "2", "--heads", "4", "--batch", "2",
@@ -18,6 +18,7 @@ def test_bench_train_writes_a_row_per_variant_and_turn_and_a_plot(tmp_path, caps
     from twell_compile.lowering import telemetry
 
     monkeypatch.setattr(telemetry, "DEAD_WINDOW_TOKENS", 32)  # a turn is 2 steps of 2 x 16 tokens
+    monkeypatch.setattr(density_control, "RAMP_STEPS", 1)  # steer to the target itself from the first step
     variants = ["inductor", "twell", "twell-fixed", "silu-relu-gate", "silu"]
     argv = ["--train", *TINY, "--variants", *variants, "--target-density", "0.01", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
@@ -43,6 +44,30 @@ def test_bench_train_writes_a_row_per_variant_and_turn_and_a_plot(tmp_path, caps
     for r in rows[-len(variants):]:
         (line,) = [l for l in turn if l.split()[0] == r["variant"]]
         assert ("(paths " in line) == (r["paths"] != "-") and (r["paths"] == "-" or f"(paths {r['paths']})" in line)
+
+
+def test_each_step_trains_the_next_token_as_a_user_does():
+    """A step passes ``labels=input_ids`` of ``--seq`` tokens, which the model shifts itself; labels
+    shifted by the caller too would train the token after next."""
+    import torch
+
+    cfg = bench_train.TrainConfig(device="cpu", batch=2, seq=16, val_batches=1)
+    batches = bench_train.Batches(bench_train.stdlib_bytes(limit=1 << 20), cfg.batch, cfg.seq, "cpu", 0, 1)
+    calls = []
+    weight = torch.nn.Parameter(torch.zeros(()))
+
+    def model(**inputs):
+        calls.append(inputs)
+        return type("Out", (), {"loss": weight * 0 + 1.0})
+
+    opt = torch.optim.SGD([weight], lr=0.0)
+    variant = bench_train.Variant("inductor", torch.nn.Linear(1, 1), model, opt,
+                                  torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), False)
+    bench_train.train_turn(variant, batches, 0, 2, cfg)
+    assert len(calls) == 2
+    for inputs in calls:
+        assert inputs["labels"] is inputs["input_ids"] and tuple(inputs["input_ids"].shape) == (2, 16)
+    assert all(tuple(t.shape) == (2, 16) for t in batches.val_set)
 
 
 def test_bench_train_refuses_an_unknown_variant():
