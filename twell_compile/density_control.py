@@ -44,6 +44,7 @@ import torch
 GAIN = 0.05  # γ: log-coefficient change per unit log density error
 MAX_STEP = 0.02  # r: at most 2% a step, up or down
 SMOOTHING = 0.2  # β: the density's moving average
+RAMP_STEPS = 500  # steps over which each layer's setpoint falls from its first density to the target
 MIN_COEFF = 1e-9  # c_min: a coefficient that reached 0 could never grow back multiplicatively
 # The default l1_coeff_max, as a multiple of the start. At 100x (2e-3) a 768/2048 12-layer Llama
 # stalled at 9% density after 600 steps (H200, bytes, 32 x 512 tokens a step); the issue's fixed-
@@ -61,7 +62,8 @@ class DensityController:
     def __init__(self, target: float, max_coeff: float):
         self.target = target
         self.max_coeff = max_coeff
-        self._state: dict[str, tuple] = {}  # str(device) -> (coefficients, buffers, hidden, smoothed)
+        self._state: dict[str, tuple] = {}  # str(device) -> (coefficients, buffers, hidden, smoothed, start)
+        self._steps: dict[str, int] = {}  # str(device) -> controller steps since its state was gathered
         self._optimizers: dict[int, tuple] = {}  # id(optimizer) -> (weak reference, whether it trains the model)
         self._model_ref = None
         with _lock:
@@ -95,7 +97,8 @@ class DensityController:
         from . import l1
 
         reduce = _distributed()
-        for key, (coeffs, buffers, hidden, smoothed) in self._tensors(model).items():
+        for key, (coeffs, buffers, hidden, smoothed, start) in self._tensors(model).items():
+            steps = self._steps[key] = self._steps.get(key, -1) + 1
             with torch.no_grad():
                 counts = torch.stack(buffers)[:, :3]  # [n, 3]: each layer's calls, tokens, active entries
                 if reduce:
@@ -106,12 +109,21 @@ class DensityController:
                 seen = counts[:, 0] > 0
                 moved = torch.where(smoothed.isnan(), density, smoothed + SMOOTHING * (density - smoothed))
                 smoothed.data.copy_(torch.where(seen, moved, smoothed))  # the first reading starts the average
-                error = torch.log(smoothed.nan_to_num(self.target).clamp(min=1e-7) / self.target)
+                start.data.copy_(torch.where(start.isnan() & seen, smoothed.clamp(min=self.target), start))
+                setpoint = self.setpoint(start, steps)
+                error = torch.log(smoothed.nan_to_num(self.target).clamp(min=1e-7) / setpoint)
                 change = torch.exp((GAIN * error).clamp(-MAX_STEP, MAX_STEP))
                 current = torch.stack(coeffs)
                 new = torch.where(seen, (current * change).clamp(MIN_COEFF, self.max_coeff), current)
                 torch._foreach_copy_([c.data for c in coeffs], list(new.unbind()))
         l1.changed()
+
+    def setpoint(self, start: torch.Tensor, steps: int) -> torch.Tensor:
+        """The density each layer is steered to after ``steps`` steps: from its first reading
+        ``start`` down to the target along a cubic ramp of ``RAMP_STEPS`` (Zhu & Gupta's gradual
+        pruning schedule), the target itself from then on."""
+        left = max(0.0, 1.0 - steps / RAMP_STEPS) ** 3 if RAMP_STEPS > 0 else 0.0
+        return (self.target + (start.nan_to_num(self.target) - self.target) * left).clamp(min=self.target)
 
     def _tensors(self, model) -> dict:
         """Per device: the layers' live coefficients and telemetry buffers, gathered once, and again
@@ -135,7 +147,8 @@ class DensityController:
                 buffers = [telemetry.buffer(layer.id, key) for layer in present]
                 hidden = torch.tensor([float(layer.hidden) for layer in present], dtype=torch.float64, device=key)
                 smoothed = torch.full((len(present),), float("nan"), dtype=torch.float32, device=key)
-                self._state[key] = (coeffs, buffers, hidden, smoothed)
+                self._state[key] = (coeffs, buffers, hidden, smoothed, smoothed.clone())
+            self._steps.clear()
         return self._state
 
 

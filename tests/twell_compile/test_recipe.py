@@ -48,9 +48,10 @@ def _train(model, run, opt, steps, x):
 
 
 @pytest.mark.parametrize("route", ["compile", "patch"])
-def test_the_coefficient_climbs_while_the_density_is_above_target(route):
-    """A random ReLU FFN is ~50% dense: far above 0.5%, so every layer's coefficient grows by the
-    controller's largest step, once per optimizer step of this model."""
+def test_the_coefficient_climbs_while_the_density_is_above_target(route, monkeypatch):
+    """A random ReLU FFN is ~50% dense: far above 0.5%, so with no ramp every layer's coefficient
+    grows by the controller's largest step, once per optimizer step of this model."""
+    monkeypatch.setattr(density_control, "RAMP_STEPS", 0)
     torch.manual_seed(0)
     model = ResidualStack(D, H, n=2)
     options = {"l1_coeff": 1e-4, "target_density": 0.005}
@@ -71,9 +72,10 @@ def test_the_coefficient_climbs_while_the_density_is_above_target(route):
     assert "target 0.50%" in str(stats)
 
 
-def test_the_coefficient_falls_below_target_and_stays_within_its_bounds():
+def test_the_coefficient_falls_below_target_and_stays_within_its_bounds(monkeypatch):
     """A layer made almost inactive (a large negative gate bias) is below any target: its
     coefficient falls; and no coefficient passes l1_coeff_max."""
+    monkeypatch.setattr(density_control, "RAMP_STEPS", 0)
     torch.manual_seed(0)
     model = ResidualStack(D, H, n=2)
     with torch.no_grad():
@@ -138,9 +140,35 @@ def test_the_controller_keeps_its_state_for_layers_on_several_devices():
     assert float(controller._state["cpu"][3][0]) == pytest.approx(0.5 + density_control.SMOOTHING * (0.25 - 0.5))
 
 
-def test_a_recompile_with_another_l1_coeff_is_steered_from_its_new_value():
+def test_the_setpoint_ramps_from_the_first_density_to_the_target(monkeypatch):
+    """From a dense start the controller does not chase the target at once: each layer's setpoint
+    falls from its first measured density to the target along a cubic ramp of RAMP_STEPS steps, and
+    the coefficient moves by the (clipped) log-ratio of the density to that setpoint."""
+    from twell_compile import layers
+    from twell_compile.lowering import telemetry
+
+    monkeypatch.setattr(density_control, "RAMP_STEPS", 10)
+    owner = nn.Linear(1, 1)
+    layer = layers.register(owner, "a", "a", "cpu", hidden=8, l1_coeff=1e-4)
+    controller = density_control.DensityController(0.005, 1.0)
+    controller.attach(layers.model_of(owner))
+    want, moves = 1e-4, []
+    for step in range(14):
+        telemetry.record(layer.id, 4, torch.tensor(16), torch.tensor(0), None, True)  # density 0.5, held
+        controller.step()
+        setpoint = 0.005 + (0.5 - 0.005) * max(0.0, 1 - step / 10) ** 3
+        move = min(max(density_control.GAIN * math.log(0.5 / setpoint), -density_control.MAX_STEP),
+                   density_control.MAX_STEP)
+        want *= math.exp(move)
+        moves.append(move)
+        assert float(layer.coefficients["cpu"]) == pytest.approx(want, rel=1e-5)
+    assert moves[0] == 0.0 and 0 < moves[1] < density_control.MAX_STEP and moves[-1] == density_control.MAX_STEP
+
+
+def test_a_recompile_with_another_l1_coeff_is_steered_from_its_new_value(monkeypatch):
     """A second compile with another ``l1_coeff`` gives the layers new coefficient tensors, which
     the new graphs read: the controller steers those, not the ones it held before."""
+    monkeypatch.setattr(density_control, "RAMP_STEPS", 0)
     torch.manual_seed(0)
     model = ResidualStack(D, H, n=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
