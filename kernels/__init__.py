@@ -13,7 +13,9 @@ if __name__ == "kernels":
     # This folder is only ever ``twell_compile.kernels``. Reached as a top-level ``kernels`` (a
     # script run from the repository root puts the root first on ``sys.path``), it would shadow
     # Hugging Face's ``kernels`` package, which transformers imports: hand that import to the
-    # next ``kernels`` on the path instead, or fail saying why.
+    # next ``kernels`` on the path instead. Where there is none, stay an empty module that
+    # transformers' availability check reads as "not installed" (no ``__file__``, no version), so
+    # that ``torchrun -m`` or ``python script.py`` in the root still imports transformers.
     import importlib.machinery as _machinery
     import importlib.util as _util
     import os as _os
@@ -23,12 +25,17 @@ if __name__ == "kernels":
     _rest = [p for p in _sys.path if _os.path.abspath(p or _os.getcwd()) != _root]
     _spec = _machinery.PathFinder.find_spec("kernels", _rest)
     if _spec is None:
-        raise ImportError(
-            f"no module named 'kernels' outside {_root}: that folder is twell-compile's, imported as "
-            "twell_compile.kernels (install the project with pip install -e .)")
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds now
-    _spec.loader.exec_module(_module)
+        __file__ = None
+        __path__ = []
+
+        def __getattr__(name):
+            raise AttributeError(
+                f"module 'kernels' has no attribute {name!r}: Hugging Face's kernels package is not installed, "
+                f"and {_root}/kernels is twell-compile's folder, imported as twell_compile.kernels")
+    else:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds now
+        _spec.loader.exec_module(_module)
 else:
     from . import reference
     from .dense_act import dense_activation, dense_activation_backward
