@@ -422,17 +422,18 @@ def write_plot(rows: list[TrainRow], path: Path, title: str) -> Optional[Path]:
         return None
     fig, grid = plt.subplots(2, 3, figsize=(16, 9))
     loss, density, coeff, dead, step_ms, speed = grid.flat
-    for name in dict.fromkeys(r.variant for r in rows):
+    for i, name in enumerate(dict.fromkeys(r.variant for r in rows)):
         mine = [r for r in rows if r.variant == name]
         steps = [r.step for r in mine]
-        loss.plot(steps, [r.val_loss for r in mine], label=f"{name} (val)")
-        density.plot(steps, [max(r.density, 1e-6) for r in mine], label=name)
+        style = dict(label=name, color=f"C{i}")  # one colour per variant in every panel
+        loss.plot(steps, [r.val_loss for r in mine], **{**style, "label": f"{name} (val)"})
+        density.plot(steps, [max(r.density, 1e-6) for r in mine], **style)
         if not all(math.isnan(r.l1_coeff) for r in mine):  # twell variants only
-            coeff.plot(steps, [r.l1_coeff for r in mine], label=name)
+            coeff.plot(steps, [r.l1_coeff for r in mine], **style)
         if not all(math.isnan(r.dead_neurons) for r in mine):
-            dead.plot(steps, [r.dead_neurons for r in mine], label=name)
-        step_ms.plot(steps, [r.step_ms for r in mine], label=name)
-        speed.plot(steps, [r.ratio for r in mine], label=name)
+            dead.plot(steps, [r.dead_neurons for r in mine], **style)
+        step_ms.plot(steps, [r.step_ms for r in mine], **style)
+        speed.plot(steps, [r.ratio for r in mine], **style)
     loss.set(xlabel="step", ylabel="validation loss (bytes, nats)", title="loss")
     density.set(xlabel="step", ylabel="FFN density (mean over layers)", yscale="log", title="density")
     coeff.set(xlabel="step", ylabel="L1 coefficient (mean over layers)", yscale="log", title="coefficient")
