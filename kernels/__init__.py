@@ -44,7 +44,7 @@ else:
     from .format import (DEFAULT_LAYOUT, SLOTS_PER_TILE, TILE_N, TwellLayout, TwellPacked, accumulation_dtype,
                          empty_packed, is_paired)
     from .gate_pack import gate_pack
-    from .launch import tuned_configs
+    from .launch import first_launches, tuned_configs
     from .row_lists import RowList, dense_list, flag_rows
     from .sparse_ffn import sparse_ffn
     from .sparse_ffn_bwd import DENSE_WGRAD_GEMM_ROWS, sparse_ffn_backward
@@ -66,5 +66,5 @@ else:
         # dense rows: flags, lists, the call record
         "flag_rows", "dense_list", "RowList", "CallRecord", "DENSE_ROW_FRACTION_MAX",
         # the bench's floors and the autotuner's choices
-        "tuned_configs", "gather_floor", "active_pairs",
+        "tuned_configs", "first_launches", "gather_floor", "active_pairs",
     ]

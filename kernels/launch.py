@@ -99,6 +99,7 @@ def launch(kernel: Any, grid: Grid, *args: Any, **kwargs: Any) -> None:
         if config is None and capturing():
             config = untuned_config(tuner, args, kwargs)
         elif config is None:  # Triton tunes (or finds the tuned config) and launches
+            _count_first_launch()
             kernel[grid](*args, **kwargs)
             chosen_configs[key] = tuner.best_config
             return
@@ -160,6 +161,16 @@ def _layers(kernel: Any):
 
 # id(autotuner) -> (its kernel's name, its key's argument names), for tuned_configs
 tuner_names: dict = {}
+# Launches that went through Triton's own path for a binary or tuning key not seen before
+# (compiling or autotuning there), for first_launches.
+_first_launches = 0
+
+
+def first_launches() -> int:
+    """How many launches so far were the first of their binary or tuning key here, so that Triton
+    compiled or autotuned in them: a timing taken while this count moved measured that work too.
+    (With ``TWELL_PLAIN_LAUNCH=1`` or the interpreter no launch is remembered, and it stays 0.)"""
+    return _first_launches
 
 
 def tuned_configs() -> list[tuple[str, str, str]]:
@@ -182,6 +193,7 @@ def _launch_jit(fn: "JITFunction", grid: Grid, args: tuple, kwargs: dict) -> Non
     key = (id(fn), device, tuple(specialization), tuple(options.items()))
     compiled = compiled_kernels.get(key)
     if compiled is None:  # Triton compiles (or finds on disk) and launches it
+        _count_first_launch()
         compiled = fn.run(*args, grid=grid, warmup=False, **kwargs)
         if hasattr(compiled, "result"):  # asynchronous compilation
             compiled = compiled.result()
@@ -201,6 +213,11 @@ def _launch_jit(fn: "JITFunction", grid: Grid, args: tuple, kwargs: dict) -> Non
     else:
         metadata = enter = leave = None
     compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *values)
+
+
+def _count_first_launch() -> None:
+    global _first_launches
+    _first_launches += 1
 
 
 def _listening(hook) -> bool:

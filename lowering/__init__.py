@@ -11,7 +11,8 @@ one ``twell_compile`` uses:
   nothing is cached per weight;
 * ``force_path("sparse" | "dense")``: a context manager forcing the CUDA path of every call in it;
 * ``prefers_sparse`` and ``watch_counters``: a layer's measured preference, and its counters'
-  copy for layers that ran compiled dense code (the backend's graph variants);
+  copy for layers that ran compiled dense code (the backend's graph variants); ``first_launches``,
+  which their step-time measurement checks so as not to time kernels compiling or tuning;
 * for ``twell bench``: the TwELL layout (``DEFAULT_LAYOUT``, ``TILE_N``), the floors
   (``gather_floor``, ``active_pairs``) and the autotuner's choices (``tuned_configs``).
 """
@@ -26,7 +27,7 @@ from .ffn_bwd import ffn_bwd
 from .ffn_train import ffn_train
 from .weight_cache import mark_gathered_weight_layers
 from .l1_snapshot import l1_snapshot
-from .measure import active_pairs, gather_floor, tuned_configs
+from .measure import active_pairs, first_launches, gather_floor, tuned_configs
 
 __all__ = [
     "DEFAULT_LAYOUT",
@@ -43,5 +44,6 @@ __all__ = [
     "prefers_sparse",
     "telemetry",
     "tuned_configs",
+    "first_launches",
     "watch_counters",
 ]

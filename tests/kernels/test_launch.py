@@ -226,3 +226,30 @@ def test_the_untuned_config_is_the_first_one_pruning_keeps():
         config = L.untuned_config(tuner, (x, x, x, 20), {})
     assert config is configs[1]
     assert seen["n"] == 20 and tuner.nargs is None
+
+
+@gpu
+def test_first_launches_counts_the_launches_that_compile_or_tune(monkeypatch):
+    """What the graph variants' step-time measurement checks: a launch that goes through Triton's
+    own path (a binary or tuning key not seen here) counts, a repeated one never does."""
+    monkeypatch.setattr(L, "compiled_kernels", {})
+    monkeypatch.setattr(L, "chosen_configs", {})
+    n = 96
+    x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    out = torch.zeros_like(x)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
+    start = L.first_launches()
+    _add(x, y, n)
+    assert L.first_launches() == start + 1
+    _add(x, y, n)
+    assert L.first_launches() == start + 1
+    L.launch(_scale_kernel, grid, x, out, n, 2.0)  # tunes
+    tuned = L.first_launches()
+    assert tuned > start + 1
+    for scale in (3.0, 4.0, 5.0):
+        L.launch(_scale_kernel, grid, x, out, n, scale)
+    settled = L.first_launches()
+    L.launch(_scale_kernel, grid, x, out, n, 6.0)
+    _add(x, y, n)
+    assert L.first_launches() == settled
+    torch.testing.assert_close(out, x * 6.0, rtol=0, atol=0)

@@ -155,3 +155,45 @@ def test_the_dense_variant_samples_which_neurons_fired(inner, monkeypatch):
     assert second.dead_neurons is not None and second.dead_neurons < 0.5
     last, seen = telemetry.fired_state(first.layer, "cpu", 256)
     assert float(seen) == 66 and float(last[12]) == 56  # token 3 last read by the 28th call (offset 27 mod 8)
+
+
+def test_steps_that_compile_or_tune_kernels_are_measured_again(monkeypatch):
+    """The TwELL variant's first sparse steps tune its kernels: a measurement over them would time
+    the tuning and keep the dense variant for hundreds of steps. Measured steps in which
+    ``first_launches`` moved are measured again (at most MEASURE_RETRIES times)."""
+    import time
+
+    from twell_compile.variants import GraphVariants, ModelVariants
+
+    launches = {"n": 0, "tuning_calls": 5}
+    monkeypatch.setattr(twell_compile.lowering, "first_launches", lambda: launches["n"])
+    monkeypatch.setattr(twell_compile.lowering, "prefers_sparse", lambda *a: True)
+
+    def twell_step():
+        if launches["tuning_calls"] > 0:  # the first calls tune: slow, and counted
+            launches["tuning_calls"] -= 1
+            launches["n"] += 1
+            time.sleep(0.05)
+        return "twell"
+
+    def dense_step():
+        time.sleep(0.005)
+        return "dense"
+
+    coordinator = ModelVariants(torch.device("cpu"), True, False)
+    graph = GraphVariants(dense_step, twell_step, {1: 8}, coordinator)
+    ran = [graph() for _ in range(40)]
+    assert coordinator.trial is None and set(coordinator.periods) == {"dense", "twell"}
+    assert coordinator.periods["twell"] < 1.0 < coordinator.periods["dense"]  # ms: the tuning steps are not in it
+    assert coordinator.current == "twell" and ran[-1] == "twell"
+
+    # Kernels that never stop compiling: the measurement still ends, after MEASURE_RETRIES retries.
+    variants.reset()
+    launches.update(n=0, tuning_calls=10 ** 6)
+    coordinator = ModelVariants(torch.device("cpu"), True, False)
+    graph = GraphVariants(dense_step, twell_step, {1: 8}, coordinator)
+    # one call starts the trial, then the warm-up and 1 + MEASURE_RETRIES windows of measured steps
+    for _ in range(1 + variants.WARMUP_STEPS + variants.MEASURE_STEPS * (1 + variants.MEASURE_RETRIES) + 1):
+        graph()
+    assert coordinator.trial is not None and list(coordinator.trial["periods"]) == ["twell"]
+    assert coordinator.trial["retries"] == 0 and coordinator.current == "dense"  # now measuring the dense variant
