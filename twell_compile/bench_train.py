@@ -501,6 +501,10 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"compile mode {cfg.compile_mode}")
     rows = run(cfg, on_rows=lambda rows: write_csv(rows, out / "train.csv"), progress=progress)
     print(summary(rows, cfg.variants[0]))
+    if cfg.device.startswith("cuda"):
+        from .bench import host_line  # the TwELL ops' host time at this model's FFN shape
+
+        print(host_line(cfg.hidden, cfg.intermediate))
     write_csv(rows, out / "train.csv")
     plot = write_plot(rows, out / "train.png", title)
     print(f"wrote {out / 'train.csv'}" + (f" and {plot}" if plot else ""))

@@ -208,8 +208,8 @@ def test_timed_training_steps_invalidate_the_ops_weight_caches():
 
 def test_host_line_names_the_cpu_and_says_when_the_step_was_not_measured(monkeypatch):
     """The benchmark's host line: the CPU model and core count, and the host time of a sparse
-    inference call and training step, or why they were not measured (here: a failing probe),
-    without losing the run."""
+    inference call, a sparse training step and a dense inference call, each beside its target, or
+    why it was not measured (here: a failing probe), without losing the run."""
     import builtins
 
     real_open = builtins.open
@@ -218,15 +218,18 @@ def test_host_line_names_the_cpu_and_says_when_the_step_was_not_measured(monkeyp
                         else real_open(path, *a, **k))
     assert bench.cpu_model() == "Some CPU @ 2.00GHz"
 
-    def fail(d, h, *, train):
+    def fail(d, h, *, train, path):
         raise RuntimeError("no GPU here")
 
     monkeypatch.setattr(bench, "host_ms", fail)
     line = bench.host_line(64, 128)
     assert line.startswith(f"host: {bench.cpu_model()}, ") and "cores" in line
-    assert line.count("not measured (RuntimeError: no GPU here)") == 2
-    monkeypatch.setattr(bench, "host_ms", lambda d, h, *, train: 2.5 if train else 0.375)
-    assert bench.host_line(64, 128).endswith("(GPU waiting): an inference call 0.375 ms, a training step 2.500 ms")
+    assert line.count("not measured (RuntimeError: no GPU here)") == 3
+    times = {("sparse", False): 0.375, ("sparse", True): 0.5, ("dense", False): 0.08}
+    monkeypatch.setattr(bench, "host_ms", lambda d, h, *, train, path: times[path, train])
+    assert bench.host_line(64, 128).endswith(
+        "at M=512, D=64, H=128 (GPU waiting): a sparse inference call 0.375 ms (target 0.15: 2.5x over), "
+        "a sparse training step 0.500 ms (target 0.5: met), a dense inference call 0.080 ms (target 0.1: met)")
 
 
 def test_tuned_txt_lists_the_autotuners_choices(monkeypatch, tmp_path):
