@@ -101,6 +101,7 @@ def dense_activation(
     record: Optional[CallRecord] = None,
     l1: Optional[torch.Tensor] = None,
     layout: TwellLayout = DEFAULT_LAYOUT,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, act)`` of a dense FFN's hidden layer: ``act = relu(pre)``, ``h = act · up`` (gated) or
     ``h = act`` (plain, ``up=None``), in ``pre``'s dtype, as eager ``torch.relu(pre) * up``.
@@ -115,19 +116,14 @@ def dense_activation(
             rows with a tile of more than ``layout.slots`` active entries, in the same launch.
         l1: float32 ``[1]`` on the same device: receives ``+= Σ|h|``.
         layout: the TwELL tiles the overflow count is taken over.
+        check: validate the arguments; False where the caller has (the TwELL ops check theirs
+            once a call).
     """
-    if not isinstance(pre, torch.Tensor) or pre.dim() != 2:
-        raise ValueError(f"pre must be a 2-D tensor [M, H], got {getattr(pre, 'shape', type(pre).__name__)}")
+    if check:
+        _check_activation_args(pre, up, record, l1)
     m, h = pre.shape
     dev = pre.device
-    check_tensor("pre", pre, (m, h), _DTYPES, dev)
     gated = up is not None
-    if gated:
-        check_tensor("up", up, (m, h), (pre.dtype,), dev)
-    if record is not None:
-        check_record(record, dev)
-    if l1 is not None:
-        check_tensor("l1", l1, (1,), (torch.float32,), dev)
     store_act = store_act and gated
     pre = pre if pre.stride(-1) == 1 else pre.contiguous()
     up = pre if not gated else (up if up.stride(-1) == 1 else up.contiguous())
@@ -176,8 +172,24 @@ def _dense_act_backward_kernel(
     tl.store(dh_ptr + offs, d_up, mask=mask)
 
 
+def _check_activation_args(pre, up, record, l1) -> None:
+    """``dense_activation``'s argument checks."""
+    if not isinstance(pre, torch.Tensor) or pre.dim() != 2:
+        raise ValueError(f"pre must be a 2-D tensor [M, H], got {getattr(pre, 'shape', type(pre).__name__)}")
+    m, h = pre.shape
+    dev = pre.device
+    check_tensor("pre", pre, (m, h), _DTYPES, dev)
+    if up is not None:
+        check_tensor("up", up, (m, h), (pre.dtype,), dev)
+    if record is not None:
+        check_record(record, dev)
+    if l1 is not None:
+        check_tensor("l1", l1, (1,), (torch.float32,), dev)
+
+
 def dense_activation_backward(
-    dh: torch.Tensor, h: torch.Tensor, act: torch.Tensor, coef: torch.Tensor, up: Optional[torch.Tensor] = None,
+    dh: torch.Tensor, h: torch.Tensor, act: torch.Tensor, coef: torch.Tensor, up: Optional[torch.Tensor] = None, *,
+    check: bool = True,
 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """``(d_gate, d_up)`` of the dense FFN's hidden layer, as dense autograd of
     ``loss + coef · Σ|h|`` computes them from ``dh = dout @ Wd``:
@@ -193,20 +205,12 @@ def dense_activation_backward(
         h, act: ``[M, H]`` forward's ``h`` and ``relu(pre)``, dh's dtype (plain: the same tensor).
         coef: 0-d tensor of dh's dtype on its device: the L1 gradient's scale per ``|h|``.
         up: ``[M, H]`` up projection of a gated FFN; None for a plain one.
+        check: validate the arguments; False where the caller has (the TwELL ops check theirs
+            once a call).
     """
-    if not isinstance(dh, torch.Tensor) or dh.dim() != 2:
-        raise ValueError(f"dh must be a 2-D tensor [M, H], got {getattr(dh, 'shape', type(dh).__name__)}")
-    m, hid = dh.shape
-    dev = dh.device
-    check_tensor("dh", dh, (m, hid), _DTYPES, dev)
-    if not dh.is_contiguous():
-        raise ValueError("dh must be contiguous: d_up is written into it")
-    check_tensor("h", h, (m, hid), (dh.dtype,), dev)
-    check_tensor("act", act, (m, hid), (dh.dtype,), dev)
-    check_tensor("coef", coef, (), (dh.dtype,), dev)
+    if check:
+        _check_activation_backward_args(dh, h, act, coef, up)
     gated = up is not None
-    if gated:
-        check_tensor("up", up, (m, hid), (dh.dtype,), dev)
     h, act = h.contiguous(), act.contiguous()
     up = up.contiguous() if gated else dh
     d_gate = torch.empty_like(dh) if gated else None
@@ -218,6 +222,22 @@ def dense_activation_backward(
             GATED=gated, FP64=dh.dtype == torch.float64, BLOCK=block, num_warps=8,
         )
     return d_gate, dh
+
+
+def _check_activation_backward_args(dh, h, act, coef, up) -> None:
+    """``dense_activation_backward``'s argument checks."""
+    if not isinstance(dh, torch.Tensor) or dh.dim() != 2:
+        raise ValueError(f"dh must be a 2-D tensor [M, H], got {getattr(dh, 'shape', type(dh).__name__)}")
+    m, hid = dh.shape
+    dev = dh.device
+    check_tensor("dh", dh, (m, hid), _DTYPES, dev)
+    if not dh.is_contiguous():
+        raise ValueError("dh must be contiguous: d_up is written into it")
+    check_tensor("h", h, (m, hid), (dh.dtype,), dev)
+    check_tensor("act", act, (m, hid), (dh.dtype,), dev)
+    check_tensor("coef", coef, (), (dh.dtype,), dev)
+    if up is not None:
+        check_tensor("up", up, (m, hid), (dh.dtype,), dev)
 
 
 KERNELS = {"dense_act": _dense_act_kernel, "dense_act_backward": _dense_act_backward_kernel}

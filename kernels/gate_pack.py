@@ -350,6 +350,7 @@ def gate_pack(
     layout: TwellLayout = DEFAULT_LAYOUT,
     use_tma: Optional[bool] = None,
     paired: bool = True,
+    check: bool = True,
 ) -> TwellPacked:
     """``TwELL(x wᵀ + b)`` computed by one GEMM whose epilogue packs; the dense result is never stored.
 
@@ -362,6 +363,8 @@ def gate_pack(
         paired: store each slot's column and value side by side, in one buffer
             (``format.empty_packed(paired=True)``), which ``sparse_ffn`` reads with one 8-byte
             load a pair; False: in two contiguous buffers.
+        check: validate the arguments; False where the caller has (the TwELL ops check theirs
+            once a call).
 
     Returns:
         A ``TwellPacked`` (``format.py``) with ``[M, n_tiles, slots]`` int32 ``idx`` and fp32
@@ -372,19 +375,11 @@ def gate_pack(
 
         packed = gate_pack(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
     """
-    # 1. Check shapes, dtypes and devices.
-    check_matrix("x", x, "[M, D]")
-    check_matrix("w", w, "[H, D]")
+    # 1. Check shapes, dtypes and devices (``check=False``: the caller has).
+    if check:
+        _check_args(x, w, b, layout)
     m, d = x.shape
     h = w.shape[0]
-    check_tensor("x", x, (m, d), FLOAT_DTYPES, x.device)
-    check_tensor("w", w, (h, d), (x.dtype,), x.device)
-    if b is not None:
-        check_tensor("b", b, (h,), FLOAT_DTYPES, x.device)
-    if not INTERPRET and x.device.type != "cuda":
-        raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {x.device}")
-    if not 16 <= layout.tile_n <= 256:
-        raise ValueError(f"layout.tile_n must be in 16..256 for gate_pack, got {layout.tile_n}")
 
     # 2. Allocate the TwELL buffers (fixed capacity from shapes).
     packed = empty_packed(m, h, x.dtype, x.device, layout, paired=paired)
@@ -427,6 +422,22 @@ def gate_pack(
         SLOTS=layout.slots, BLOCK_N=layout.tile_n, GROUP_M=GROUP_M, PAIRED=bool(paired),
     )
     return packed
+
+
+def _check_args(x, w, b, layout: TwellLayout) -> None:
+    """``gate_pack``'s argument checks: errors that name the argument at fault."""
+    check_matrix("x", x, "[M, D]")
+    check_matrix("w", w, "[H, D]")
+    m, d = x.shape
+    h = w.shape[0]
+    check_tensor("x", x, (m, d), FLOAT_DTYPES, x.device)
+    check_tensor("w", w, (h, d), (x.dtype,), x.device)
+    if b is not None:
+        check_tensor("b", b, (h,), FLOAT_DTYPES, x.device)
+    if not INTERPRET and x.device.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {x.device}")
+    if not 16 <= layout.tile_n <= 256:
+        raise ValueError(f"layout.tile_n must be in 16..256 for gate_pack, got {layout.tile_n}")
 
 
 KERNELS = {"gate_pack": _gate_pack_kernel}

@@ -163,18 +163,20 @@ def _empty_list(m: int, device) -> RowList:
 
 
 def dense_list(flags: torch.Tensor, record: Optional[CallRecord] = None,
-               row_counts: Optional[torch.Tensor] = None) -> RowList:
+               row_counts: Optional[torch.Tensor] = None, *, check: bool = True) -> RowList:
     """``RowList`` of the rows flagged in bool ``flags [M]``. One launch, no host sync (in tensor ops it
     takes six, whose launches cost more host time than their work); ``flag_rows(...,
     with_list=True)`` makes it on the way instead. ``record`` (with int32 ``row_counts [M]``, each
-    row's active entries) receives the call's record: ``Σ row_counts`` and the flagged rows."""
+    row's active entries) receives the call's record: ``Σ row_counts`` and the flagged rows.
+    ``check=False``: the caller has checked the arguments."""
     if (record is None) != (row_counts is None):
         raise ValueError("dense_list: pass record and row_counts together")
     m = flags.shape[0]
     out = _empty_list(m, flags.device)
     if record is not None:
-        check_record(record, flags.device)
-        check_tensor("row_counts", row_counts, (m,), (torch.int32,), flags.device)
+        if check:
+            check_record(record, flags.device)
+            check_tensor("row_counts", row_counts, (m,), (torch.int32,), flags.device)
         if m == 0:
             record_without_kernel(record, m)
             out.n_dense.zero_()
@@ -190,7 +192,7 @@ def dense_list(flags: torch.Tensor, record: Optional[CallRecord] = None,
 def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] = None,
               b_bound: Optional[torch.Tensor] = None, count: Optional[torch.Tensor] = None, *, slots: int = 0,
               flag_overflow: bool = False, record: Optional[CallRecord] = None, mark: bool = False,
-              with_list: bool = False, reuse_tickets: bool = False):
+              with_list: bool = False, reuse_tickets: bool = False, check: bool = True):
     """bool ``[M]``: the rows to compute densely, in one launch (``reference.flag_rows_ref``).
 
     A row is flagged unless ``‖a[r]‖·a_bound[0] + a_bound[1] < a_bound[2]`` (fp32 norm; NaN and
@@ -202,7 +204,8 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
     kernels, a backward) computes it densely as an overflowed row, with no flags to carry.
     ``with_list``: return ``(flags, RowList)``, the list made by the launch's last program
     (``dense_list``'s, without its launch), with ``reuse_tickets`` its ticket from a kept buffer
-    (``zeroed_scratch``). Bounds are fp32 ``[3]`` device tensors; no host sync.
+    (``zeroed_scratch``). Bounds are fp32 ``[3]`` device tensors; no host sync. ``check=False``:
+    the caller has checked the arguments.
     """
     if (b is None) != (b_bound is None):
         raise ValueError("flag_rows: pass b and b_bound together")
@@ -212,7 +215,7 @@ def flag_rows(a: torch.Tensor, a_bound: torch.Tensor, b: Optional[torch.Tensor] 
         raise ValueError("flag_rows: count must be contiguous to be marked in place")
     m, d = a.shape
     flags = torch.empty(m, dtype=torch.bool, device=a.device)
-    if record is not None:
+    if record is not None and check:
         check_record(record, a.device)
     listed = _empty_list(m, a.device) if with_list else None
     if m == 0:

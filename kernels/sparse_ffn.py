@@ -250,6 +250,7 @@ def sparse_ffn(
     guard_bound: Optional[torch.Tensor] = None,
     record: Optional[CallRecord] = None,
     mark: bool = False,
+    check: bool = True,
 ):
     """The FFN output from its packed gate (gated) or packed up pre-activation (plain).
 
@@ -299,6 +300,8 @@ def sparse_ffn(
         mark: with ``guard_bound``, each row the guard flags that has no overflowed tile gets
             ``packed.count[t, 0] = slots + 1`` in place (``flag_rows(mark=True)``), so that a
             backward computes it densely. ``packed.count`` must be contiguous.
+        check: validate the arguments; False where the caller has (the TwELL ops check theirs
+            once a call).
 
     Returns:
         ``out [M, D]``, or ``(out, up_val)`` with ``return_up``.
@@ -308,40 +311,15 @@ def sparse_ffn(
         packed = gate_pack(x, wg, bg)
         out = sparse_ffn(x, packed, wu, wd, bu, bd, wg=wg, bg=bg)
     """
-    # 1. Check shapes, dtypes and devices.
-    m, d, h = check_ffn_operands(x, wg, wu, wd, bg, bu, bd)
+    # 1. Check shapes, dtypes and devices (``check=False``: the caller has).
+    if check:
+        _check_args(x, packed, wu, wd, bu, bd, dense_rows, wg, bg, out_dtype, layout, dense_scratch_rows, row_list, l1_rows,
+                    guard_bound, record, mark)
+    m, d, h = x.shape[0], x.shape[1], wu.shape[0]
     dev = x.device
     gated = wg is not None
-    check_packed(packed, m, h, layout, dev)
     n_tiles, slots = layout.n_tiles(h), layout.slots
-    if dense_rows is not None:
-        check_tensor("dense_rows", dense_rows, (m,), (torch.bool,), dev)
-    if row_list is not None:
-        if dense_rows is None:
-            raise ValueError("row_list needs the dense_rows it lists")
-        check_row_list(row_list, m, dev)
-    if l1_rows is not None:
-        check_tensor("l1_rows", l1_rows, (m,), (torch.float32,), dev)
-        if not l1_rows.is_contiguous():
-            raise ValueError("l1_rows must be contiguous")
-    if guard_bound is None:
-        if record is not None or mark:
-            raise ValueError("record and mark need guard_bound (the guard computed in the kernel)")
-    else:
-        if dense_rows is not None or row_list is not None:
-            raise ValueError("guard_bound computes the dense rows: pass no dense_rows or row_list with it")
-        check_tensor("guard_bound", guard_bound, (3,), (torch.float32,), dev)
-        if record is not None:
-            check_record(record, dev)
-        if mark and not packed.count.is_contiguous():
-            raise ValueError("packed.count must be contiguous to be marked in place")
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {[str(t) for t in FLOAT_DTYPES]}, got {out_dtype}")
-    if dense_scratch_rows is not None and (not isinstance(dense_scratch_rows, int) or dense_scratch_rows < 0):
-        raise ValueError(f"dense_scratch_rows must be an int >= 0, got {dense_scratch_rows!r}")
-    if not INTERPRET and dev.type != "cuda":
-        raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")
 
     # 2. Allocate the outputs (and Wdᵀ, the only temporary).
     store_up = return_up and gated
@@ -389,7 +367,7 @@ def sparse_ffn(
         PAIRS=paired(x, wu, wdt), GUARD=guard, MARK=guard and mark, PAIRED=slot_pairs,
     )
     if guard and record is not None:
-        listed = dense_list(whole, record=record, row_counts=row_counts)
+        listed = dense_list(whole, record=record, row_counts=row_counts, check=check)
     elif row_list is None:
         listed = dense_list(whole)
     else:
@@ -397,6 +375,42 @@ def sparse_ffn(
     if d > 0:
         whole_dense_rows(listed, *weights, out, strides, flags, ovf, dense_scratch_rows, reuse_tickets)
     return (out, up_val) if return_up else out
+
+
+def _check_args(x, packed, wu, wd, bu, bd, dense_rows, wg, bg, out_dtype, layout, dense_scratch_rows, row_list, l1_rows,
+                guard_bound, record, mark) -> None:
+    """``sparse_ffn``'s argument checks: errors that name the argument at fault."""
+    m, d, h = check_ffn_operands(x, wg, wu, wd, bg, bu, bd)
+    dev = x.device
+    check_packed(packed, m, h, layout, dev)
+    if dense_rows is not None:
+        check_tensor("dense_rows", dense_rows, (m,), (torch.bool,), dev)
+    if row_list is not None:
+        if dense_rows is None:
+            raise ValueError("row_list needs the dense_rows it lists")
+        check_row_list(row_list, m, dev)
+    if l1_rows is not None:
+        check_tensor("l1_rows", l1_rows, (m,), (torch.float32,), dev)
+        if not l1_rows.is_contiguous():
+            raise ValueError("l1_rows must be contiguous")
+    if guard_bound is None:
+        if record is not None or mark:
+            raise ValueError("record and mark need guard_bound (the guard computed in the kernel)")
+    else:
+        if dense_rows is not None or row_list is not None:
+            raise ValueError("guard_bound computes the dense rows: pass no dense_rows or row_list with it")
+        check_tensor("guard_bound", guard_bound, (3,), (torch.float32,), dev)
+        if record is not None:
+            check_record(record, dev)
+        if mark and not packed.count.is_contiguous():
+            raise ValueError("packed.count must be contiguous to be marked in place")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {[str(t) for t in FLOAT_DTYPES]}, got {out_dtype}")
+    if dense_scratch_rows is not None and (not isinstance(dense_scratch_rows, int) or dense_scratch_rows < 0):
+        raise ValueError(f"dense_scratch_rows must be an int >= 0, got {dense_scratch_rows!r}")
+    if not INTERPRET and dev.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")
 
 
 KERNELS = {"sparse_ffn": _sparse_ffn_kernel}

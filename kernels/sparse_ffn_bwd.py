@@ -100,6 +100,7 @@ def sparse_ffn_backward(
     dense_wgrad_gemm: bool = False,
     row_list: Optional[RowList] = None,
     reuse_tickets: bool = False,
+    check: bool = True,
 ) -> Grads:
     """Gradients of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|`` for a TwELL FFN.
 
@@ -135,6 +136,8 @@ def sparse_ffn_backward(
             with_list=True)``); otherwise listed here, one launch.
         reuse_tickets: the dense rows' split sums take their tickets from a kept buffer
             (``tickets.zeroed_scratch``) instead of a fresh fill.
+        check: validate the arguments; False where the caller has (the TwELL ops check theirs
+            once a call).
 
     Returns:
         ``reference.Grads`` in the input dtypes, each contiguous. ``dwd`` is made from the ``[H, D]``
@@ -146,25 +149,14 @@ def sparse_ffn_backward(
         rows = backward_dense_rows(dout, x, wg, wu, wd, bg, bu, bd, res.packed)
         grads = sparse_ffn_backward(dout, x, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, rows, scale)
     """
-    # 1. Check shapes, dtypes and devices.
-    m, d, h = check_ffn_operands(x, wg, wu, wd, bg, bu, bd, dout=dout)
+    # 1. Check shapes, dtypes and devices (``check=False``: the caller has).
+    if check:
+        _check_args(dout, x, wg, wu, wd, bg, bu, bd, packed, up_val, dense_rows, l1_scale, layout, dense_scratch_rows,
+                    row_list)
+    m, d, h = x.shape[0], x.shape[1], wu.shape[0]
     dev = x.device
     gated = wg is not None
-    check_packed(packed, m, h, layout, dev)
     n_tiles, slots = layout.n_tiles(h), layout.slots
-    if gated:
-        check_tensor("up_val", up_val, (m, n_tiles, slots), (torch.float32,), dev)
-    check_tensor("dense_rows", dense_rows, (m,), (torch.bool,), dev)
-    if row_list is not None:
-        check_row_list(row_list, m, dev)
-    if not isinstance(l1_scale, torch.Tensor) or l1_scale.numel() != 1 or not l1_scale.is_floating_point():
-        raise ValueError(f"l1_scale must be a 0-d float tensor, got {getattr(l1_scale, 'shape', type(l1_scale).__name__)}")
-    if l1_scale.device != dev:
-        raise ValueError(f"l1_scale is on {l1_scale.device} but x is on {dev}")
-    if dense_scratch_rows is not None and dense_scratch_rows < 0:
-        raise ValueError(f"dense_scratch_rows must be >= 0, got {dense_scratch_rows}")
-    if not INTERPRET and dev.type != "cuda":
-        raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")
 
     # 2. Allocate the outputs and the scratch.
     dx = torch.empty(m, d, dtype=x.dtype, device=dev)
@@ -194,7 +186,7 @@ def sparse_ffn_backward(
 
     # 3. Launch: the pair lists, sparse rows (dh, dx), dense rows (scratch, dx), then the weight gradients.
     pairs = neuron_major(TwellPacked(idx, val, count), dense_rows, h, layout=layout)
-    listed = dense_list(dense_rows) if row_list is None else row_list
+    listed = dense_list(dense_rows, check=check) if row_list is None else row_list
     flags = dict(GATED=gated, HAS_BG=bg is not None, HAS_BU=bu is not None)
     ovf = overflow_threshold(x.dtype)  # the stored pre-activations' overflow (pair_walk.overflow_up)
     tokens_backward(dout, wg_, wu, wdt, idx, val, up, count, dense_u8, scale, dh, dx, gated=gated, ovf=ovf)
@@ -204,3 +196,25 @@ def sparse_ffn_backward(
     weight_grads(x, dout, val, up, dh, pairs, scratch, listed, wg_, wu, wdt, bg_, bu_, scale, dwg, dwu, dwdt, dbg, dbu,
                  flags=flags, ovf=ovf, reuse_tickets=reuse_tickets, dummy=dummy)
     return Grads(dx, dwg, dwu, transposed(dwdt), dbg, dbu, dbd)
+
+
+def _check_args(dout, x, wg, wu, wd, bg, bu, bd, packed, up_val, dense_rows, l1_scale, layout, dense_scratch_rows,
+                row_list) -> None:
+    """``sparse_ffn_backward``'s argument checks: errors that name the argument at fault."""
+    m, d, h = check_ffn_operands(x, wg, wu, wd, bg, bu, bd, dout=dout)
+    dev = x.device
+    check_packed(packed, m, h, layout, dev)
+    n_tiles, slots = layout.n_tiles(h), layout.slots
+    if wg is not None:
+        check_tensor("up_val", up_val, (m, n_tiles, slots), (torch.float32,), dev)
+    check_tensor("dense_rows", dense_rows, (m,), (torch.bool,), dev)
+    if row_list is not None:
+        check_row_list(row_list, m, dev)
+    if not isinstance(l1_scale, torch.Tensor) or l1_scale.numel() != 1 or not l1_scale.is_floating_point():
+        raise ValueError(f"l1_scale must be a 0-d float tensor, got {getattr(l1_scale, 'shape', type(l1_scale).__name__)}")
+    if l1_scale.device != dev:
+        raise ValueError(f"l1_scale is on {l1_scale.device} but x is on {dev}")
+    if dense_scratch_rows is not None and dense_scratch_rows < 0:
+        raise ValueError(f"dense_scratch_rows must be >= 0, got {dense_scratch_rows}")
+    if not INTERPRET and dev.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor (or set TRITON_INTERPRET=1), got device {dev}")

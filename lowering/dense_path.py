@@ -28,7 +28,7 @@ def dense_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool, re
     n_tiles, slots = DEFAULT_LAYOUT.n_tiles(hidden), DEFAULT_LAYOUT.slots
     dev = x2d.device
     l1_sum = torch.zeros(1, dtype=torch.float32, device=dev) if want_l1 else None
-    h, act = dense_activation(pre, None if wg is None else up, store_act=training, record=record, l1=l1_sum)
+    h, act = dense_activation(pre, None if wg is None else up, store_act=training, record=record, l1=l1_sum, check=False)
     del pre  # gated: dense autograd keeps relu(gate), not gate
     out = F.linear(h, wd, bd)
     if training:
@@ -71,7 +71,7 @@ def dense_backward(dout, x, wg, wu, wd, bg, bu, bd, l1_scale, saved=None) -> ref
     dh = dout @ wd
     dwd = dout.T @ h
     # dh += sign(h)·coef, then d_gate and d_up (into dh's storage), in one pass
-    d_gate, d_up = dense_activation_backward(dh, h, act, coef, up if gated else None)
+    d_gate, d_up = dense_activation_backward(dh, h, act, coef, up if gated else None, check=False)
     del h, up, act, dh
     dx = torch.addmm(d_gate @ wg, d_up, wu) if gated else d_up @ wu
     return reference.Grads(
