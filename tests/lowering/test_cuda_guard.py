@@ -170,6 +170,50 @@ def test_the_paths_launch_kernels_without_checking_their_arguments_again(monkeyp
             assert torch.allclose(getattr(got, name), getattr(ref_grads, name), rtol=1e-4, atol=1e-4), name
 
 
+
+def test_a_sparse_call_makes_five_launches_and_a_training_step_fifteen(monkeypatch):
+    """Each launch costs 15-27 µs of host time on the H200's hosts, so the launch count is most of
+    the sparse path's host-time budget (docs/benchmarks.md, "Host time of the TwELL ops"): an
+    inference call makes 5 (gate GEMM, pair loop, dense-row list, dense rows' scratch and product)
+    and a training step 15, weights unchanged. A change to either count changes that budget."""
+    import importlib
+    import pkgutil
+
+    import twell_compile.kernels as kernels_pkg
+    from twell_compile.kernels import launch as launch_module
+
+    real = launch_module.launch
+    launched = []
+
+    def counting(kernel, grid, *args, **kwargs):
+        fn = kernel
+        while hasattr(fn, "fn"):
+            fn = fn.fn
+        launched.append(fn.__name__)
+        return real(kernel, grid, *args, **kwargs)
+
+    for info in pkgutil.iter_modules(kernels_pkg.__path__):
+        module = importlib.import_module(f"twell_compile.kernels.{info.name}")
+        if getattr(module, "launch", None) is real:
+            monkeypatch.setattr(module, "launch", counting)
+    x, wg, wu, wd, _, bu, bd = _ffn(dtype=torch.float32)
+    wd = wd.clone()  # its own weight cache entry
+    dout, scale = torch.randn_like(x), torch.tensor(0.25)
+
+    def step():
+        res = sparse_forward(x, wg, wu, wd, None, bu, bd, True, False)
+        cuda_ffn.backward(dout, x, wg, wu, wd, None, bu, bd, res.packed, res.up_val, scale, layer=8_889)
+
+    sparse_forward(x, wg, wu, wd, None, bu, bd, False, False)
+    step()  # the first: the weight pass, and the other weight-gradient variant's warm-up
+    launched.clear()
+    sparse_forward(x, wg, wu, wd, None, bu, bd, False, False)
+    assert len(launched) == 5, launched
+    launched.clear()
+    step()
+    assert len(launched) == 15, launched
+
+
 # The dense path and its saved activations are plain torch too.
 
 
