@@ -35,7 +35,8 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-_REPORTED_PACKAGES = ("torch", "triton", "transformers", "hypothesis", "numpy", "pytest", "kernels", "peft", "accelerate")
+_REPORTED_PACKAGES = ("torch", "triton", "transformers", "hypothesis", "numpy", "pytest", "kernels", "peft", "accelerate",
+                      "lightning")
 
 
 def pytest_terminal_summary(terminalreporter):

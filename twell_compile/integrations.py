@@ -1,4 +1,4 @@
-"""Training-framework integrations: a Hugging Face ``TrainerCallback``.
+"""Training-framework integrations: a Hugging Face ``TrainerCallback`` and a Lightning ``Callback``.
 
 ``TwellCallback`` does two things for a ``transformers.Trainer`` run:
 
@@ -24,7 +24,18 @@ Under ``TWELL=1`` the callback is added to the Trainer on the model's first call
     >>> from twell_compile.integrations import TwellCallback
     >>> trainer = Trainer(model=model, args=args, ..., callbacks=[TwellCallback()])
 
-transformers is imported only when ``TwellCallback`` is first used.
+``TwellLightningCallback`` does the same for a Lightning ``Trainer``: under automatic
+optimization Lightning divides each micro-batch's loss by ``accumulate_grad_batches``, and the
+callback sets twell's loss scale to match before each batch; every ``log_every_n_steps`` steps it
+logs the same numbers through ``LightningModule.log_dict``. Under manual optimization the training
+step runs its own backward, so the scale stays the user's (``set_loss_scale``, ``loss_scale``).
+Under ``TWELL=1`` it is added to the Trainer on the model's first call. Otherwise::
+
+    >>> from twell_compile.integrations import TwellLightningCallback
+    >>> trainer = lightning.pytorch.Trainer(..., callbacks=[TwellLightningCallback()])
+
+transformers and Lightning are imported only when their callback is first used (``lightning``, or
+``pytorch_lightning`` when only that one is imported or installed).
 """
 
 from __future__ import annotations
@@ -117,15 +128,14 @@ def _move_to_front(callback) -> None:
 
 def attach_to_running_trainer() -> bool:
     """Under ``TWELL=1``: add ``TwellCallback`` to a ``transformers.Trainer`` whose training loop is
-    on the stack (the model's first call happens inside it), and set this step's loss scale, which
-    its ``on_step_begin`` will set from the next step on. True if one was found."""
+    on the stack (the model's first call happens inside it), or ``TwellLightningCallback`` to a
+    Lightning ``Trainer``, and set this step's loss scale, which the callback sets from the next
+    step on. True if one was found."""
     transformers = sys.modules.get("transformers")
     trainer_cls = getattr(transformers, "Trainer", None) if transformers is not None else None
-    if trainer_cls is None:
-        return False
-    trainer = _trainer_on_stack(trainer_cls)
+    trainer = None if trainer_cls is None else _trainer_on_stack(trainer_cls)
     if trainer is None:
-        return False
+        return _attach_to_running_lightning_trainer()
     cls = _callback_class()
     callbacks = trainer.callback_handler.callbacks
     if not any(isinstance(cb, cls) for cb in callbacks):
@@ -146,7 +156,87 @@ def _trainer_on_stack(trainer_cls) -> Optional[object]:
     return None
 
 
+LIGHTNING_MODULES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _lightning() -> "object":
+    """The Lightning package in use: one already imported (``lightning.pytorch`` first), else the
+    first importable."""
+    import importlib
+
+    for name in LIGHTNING_MODULES:
+        if name in sys.modules:
+            return sys.modules[name]
+    for name in LIGHTNING_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("TwellLightningCallback needs Lightning: pip install lightning")
+
+
+@functools.lru_cache(maxsize=None)
+def _lightning_callback_class(package: str):
+    import importlib
+
+    from .loss_scaling import set_loss_scale
+
+    callback_base = importlib.import_module(package).Callback
+
+    def accumulation_scale(trainer, pl_module) -> None:
+        if pl_module.automatic_optimization:  # Lightning divides the loss; manual steps do their own
+            set_loss_scale(1.0 / max(1, trainer.accumulate_grad_batches))
+
+    class TwellLightningCallback(callback_base):
+        """Gradient accumulation's loss scale for twell's L1 term, and twell's telemetry in the logs."""
+
+        def __init__(self, layer_paths: bool = True):
+            self.layer_paths = layer_paths
+            self._logged_step = -1
+
+        def on_train_start(self, trainer, pl_module):
+            accumulation_scale(trainer, pl_module)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            accumulation_scale(trainer, pl_module)  # the accumulation may change by epoch (a scheduler)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step = trainer.global_step
+            if step == self._logged_step or step % max(1, trainer.log_every_n_steps):
+                return
+            self._logged_step = step
+            logs = telemetry_logs(pl_module, layer_paths=self.layer_paths) or telemetry_logs(layer_paths=self.layer_paths)
+            if logs:
+                pl_module.log_dict(logs, on_step=True, on_epoch=False)
+
+        def on_train_end(self, trainer, pl_module):
+            set_loss_scale(1.0)
+
+    TwellLightningCallback.__module__ = __name__
+    return TwellLightningCallback
+
+
+def _attach_to_running_lightning_trainer() -> bool:
+    for package in LIGHTNING_MODULES:
+        module = sys.modules.get(package)
+        trainer = None if module is None else _trainer_on_stack(module.Trainer)
+        if trainer is None:
+            continue
+        cls = _lightning_callback_class(package)
+        if not any(isinstance(cb, cls) for cb in trainer.callbacks):
+            trainer.callbacks.append(cls())
+        module_on_stack = trainer.lightning_module
+        if module_on_stack is not None and module_on_stack.automatic_optimization:
+            from .loss_scaling import set_loss_scale
+
+            set_loss_scale(1.0 / max(1, trainer.accumulate_grad_batches))
+        return True
+    return False
+
+
 def __getattr__(name: str):
     if name == "TwellCallback":
         return _callback_class()
+    if name == "TwellLightningCallback":
+        return _lightning_callback_class(_lightning().__name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,6 +25,7 @@ from twell_compile import SkipReason
 
 from tests.e2e.test_twell_env import twell_1  # noqa: F401 - the fixture: TWELL=1 in this process
 from tests.ffn_models import assert_close, assert_grads_close, eager_loss, reset_state
+from tests.trainers import lightning_fit, small_llama, whole_batch_grads
 
 import transformers
 
@@ -274,6 +275,24 @@ def test_accelerate_regional_compilation_under_twell_1(twell_1):
     assert [r.where for r in twell_compile.report().rewritten] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert len(twell_compile.stats(model).layers) == 2
 
+
+# ---------------------------------------------------------------------------------------------
+# TWELL=1 with Lightning
+# ---------------------------------------------------------------------------------------------
+
+def test_lightning_under_twell_1_gets_the_callback_and_trains_the_whole_batch_term(twell_1, tmp_path):
+    """An unmodified Lightning script under ``TWELL=1`` with ``accumulate_grad_batches=2``: the
+    model's FFNs are patched at its first call, ``TwellLightningCallback`` joins the Trainer there,
+    and the gradients the optimizer gets are those of ``loss + l1_coeff · L1`` on the whole batch."""
+    from twell_compile.integrations import TwellLightningCallback
+
+    model, ref, ids = small_llama()
+    trainer, grads = lightning_fit(model, ids, tmp_path)
+    assert sum(isinstance(cb, TwellLightningCallback) for cb in trainer.callbacks) == 1
+    assert [r.where for r in twell_compile.report().rewritten] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    whole_batch_grads(ref, ids, twell_1)
+    for name, p in ref.named_parameters():
+        assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * (1 + float(p.grad.abs().max())), name=name)
 
 # ---------------------------------------------------------------------------------------------
 # TWELL=1 with the Hugging Face Trainer, in a fresh process

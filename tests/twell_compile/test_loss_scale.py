@@ -19,11 +19,11 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import twell_compile
 
 from tests.ffn_models import ResidualStack, assert_close, assert_grads_close, eager_loss, reset_state
+from tests.trainers import lightning_fit, small_llama, whole_batch_grads
 
 D, H, L1 = 16, 40, 0.25
 
@@ -296,21 +296,32 @@ def test_accelerate_imported_after_twell_is_followed(route, tmp_path):
     _assert_grads_equal(torch.load(outputs), model)
 
 
+def test_lightning_accumulated_steps_equal_one_step_on_the_whole_batch(tmp_path):
+    """accumulate_grad_batches=2 with ``TwellLightningCallback``: Lightning divides each
+    micro-batch's loss by 2, and the gradients the optimizer gets are those of ``loss + l1_coeff ·
+    L1`` on the whole batch; every log step reports twell's telemetry."""
+    from twell_compile.integrations import TwellLightningCallback
+
+    model, ref, ids = small_llama()
+    twell_compile.patch(model, l1_coeff=L1)
+    trainer, grads = lightning_fit(model, ids, tmp_path, callbacks=[TwellLightningCallback()], log_every=1)
+    whole_batch_grads(ref, ids, L1)
+    _assert_grads_equal(grads, ref)
+    metrics = trainer.callback_metrics
+    assert float(metrics["twell/sparse_layers"]) == 0.0  # the CPU path reports no sparse layer
+    assert 0.0 < float(metrics["twell/density"]) < 1.0 and float(metrics["twell/l1_coeff"]) == pytest.approx(L1)
+    assert "twell/sparse/model.layers.1.mlp" in metrics, list(metrics)
+    assert twell_compile.get_loss_scale() == 1.0, "the run's end restores the loss scale"
+
+
 def test_hf_trainer_accumulated_steps_equal_one_step_on_the_whole_batch(tmp_path):
     """gradient_accumulation_steps=2 with ``TwellCallback``: the gradients the optimizer gets are
     those of ``loss + l1_coeff · L1`` on the whole batch (a Llama with ``hidden_act="relu"``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from twell_compile.integrations import TwellCallback
 
-    torch.manual_seed(0)
-    vocab = 50
-    config = LlamaConfig(hidden_act="relu", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, vocab_size=vocab,
-                         max_position_embeddings=32)
-    model = LlamaForCausalLM(config)
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, vocab, (8, 12))
+    model, ref, ids = small_llama()
     twell_compile.patch(model, l1_coeff=L1)
     grads = {}
 
@@ -325,9 +336,7 @@ def test_hf_trainer_accumulated_steps_equal_one_step_on_the_whole_batch(tmp_path
     trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
                       callbacks=[Grab(), TwellCallback()])
     trainer.train()
-    mlps = [layer.mlp for layer in ref.model.layers]
-    eager_loss(ref, lambda: ref(input_ids=ids, labels=ids), lambda out: out.loss, L1, modules=mlps,
-               hidden_fn=lambda m, x: F.relu(m.gate_proj(x)) * m.up_proj(x)).backward()
+    whole_batch_grads(ref, ids, L1)
     assert len(twell_compile.report().rewritten) == 2
     _assert_grads_equal(grads, ref)
 
