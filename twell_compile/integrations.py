@@ -210,7 +210,8 @@ def _lightning_callback_class(package: str):
                 pl_module.log_dict(logs, on_step=True, on_epoch=False)
 
         def on_train_end(self, trainer, pl_module):
-            set_loss_scale(1.0)
+            if pl_module.automatic_optimization:
+                set_loss_scale(1.0)
 
     TwellLightningCallback.__module__ = __name__
     return TwellLightningCallback
