@@ -181,11 +181,7 @@ def _lightning_callback_class(package: str):
 
     from .loss_scaling import set_loss_scale
 
-    callback_base = importlib.import_module(package).Callback
-
-    def accumulation_scale(trainer, pl_module) -> None:
-        if pl_module.automatic_optimization:  # Lightning divides the loss; manual steps do their own
-            set_loss_scale(1.0 / max(1, trainer.accumulate_grad_batches))
+    callback_base = importlib.import_module(package).Callback  # the Trainer checks the class it subclasses
 
     class TwellLightningCallback(callback_base):
         """Gradient accumulation's loss scale for twell's L1 term, and twell's telemetry in the logs."""
@@ -195,10 +191,10 @@ def _lightning_callback_class(package: str):
             self._logged_step = -1
 
         def on_train_start(self, trainer, pl_module):
-            accumulation_scale(trainer, pl_module)
+            _lightning_accumulation_scale(trainer, pl_module)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            accumulation_scale(trainer, pl_module)  # the accumulation may change by epoch (a scheduler)
+            _lightning_accumulation_scale(trainer, pl_module)  # it may change by epoch (a scheduler)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             step = trainer.global_step
@@ -226,13 +222,19 @@ def _attach_to_running_lightning_trainer() -> bool:
         cls = _lightning_callback_class(package)
         if not any(isinstance(cb, cls) for cb in trainer.callbacks):
             trainer.callbacks.append(cls())
-        module_on_stack = trainer.lightning_module
-        if module_on_stack is not None and module_on_stack.automatic_optimization:
-            from .loss_scaling import set_loss_scale
-
-            set_loss_scale(1.0 / max(1, trainer.accumulate_grad_batches))
+        if trainer.lightning_module is not None:
+            _lightning_accumulation_scale(trainer, trainer.lightning_module)
         return True
     return False
+
+
+def _lightning_accumulation_scale(trainer, pl_module) -> None:
+    """Lightning's automatic optimization divides each micro-batch's loss by
+    ``accumulate_grad_batches``; under manual optimization the training step runs its own backward."""
+    if pl_module.automatic_optimization:
+        from .loss_scaling import set_loss_scale
+
+        set_loss_scale(1.0 / max(1, trainer.accumulate_grad_batches))
 
 
 def __getattr__(name: str):
