@@ -52,12 +52,13 @@ def assert_close_verbose(
     expected: Tensor,
     *,
     rtol: float,
-    atol: float,
+    atol: "float | Tensor",
     name: str = "",
     equal_nan: bool = True,
     show: int = 8,
 ) -> None:
-    """Assert ``|actual − expected| <= atol + rtol·|expected|`` elementwise, loudly.
+    """Assert ``|actual − expected| <= atol + rtol·|expected|`` elementwise, loudly (``atol`` a
+    number, or a tensor of per-element tolerances of the same shape).
 
     Both sides are compared in float64. Non-finite values must match exactly: NaN where the other
     is NaN (when ``equal_nan``), the same signed Inf where the other is Inf. On failure the message
@@ -73,12 +74,14 @@ def assert_close_verbose(
     bad_pattern = _nonfinite_mismatch(a, e) if equal_nan else (a.isnan() | e.isnan() | _nonfinite_mismatch(a, e))
     both_finite = torch.isfinite(a) & torch.isfinite(e)
     excess = torch.zeros_like(a)
-    excess[both_finite] = (a - e).abs()[both_finite] - (atol + rtol * e.abs()[both_finite])
+    atol_t = torch.as_tensor(atol, dtype=torch.float64).cpu().expand_as(a)
+    excess[both_finite] = (a - e).abs()[both_finite] - (atol_t[both_finite] + rtol * e.abs()[both_finite])
     bad_value = both_finite & (excess > 0)
     if not (bad_pattern.any() or bad_value.any()):
         return
 
-    lines = [f"{label}tensors are not close (rtol={rtol:g}, atol={atol:g}, shape={tuple(a.shape)}, "
+    atol_text = f"{atol:g}" if isinstance(atol, (int, float)) else f"per element, up to {float(atol_t.max()):g}"
+    lines = [f"{label}tensors are not close (rtol={rtol:g}, atol={atol_text}, shape={tuple(a.shape)}, "
              f"dtypes actual={actual.dtype} expected={expected.dtype})"]
     if bad_pattern.any():
         n = int(bad_pattern.sum())
