@@ -295,7 +295,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "--train" in argv:  # a model trained from scratch: its own flags (bench_train.py)
         from .bench_train import main as train_main
 
-        return train_main(argv)
+        return train_main(argv, host_line=host_line)
     parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--m", type=int, nargs="+", default=[16384], help="token counts (default 16384)")
     parser.add_argument("--d", type=int, default=2048, help="model dimension D (default 2048)")

@@ -486,7 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None, host_line: Optional[Callable[[int, int], str]] = None) -> int:
+    """``twell bench --train``; ``host_line(D, H)`` (``bench.host_line``, passed by ``twell bench``)
+    adds the TwELL ops' host time at this model's FFN shape to the summary on a GPU."""
     args = build_parser().parse_args(argv)
     values = vars(args)
     out, progress = values.pop("out"), not values.pop("no_progress")
@@ -501,9 +503,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"compile mode {cfg.compile_mode}")
     rows = run(cfg, on_rows=lambda rows: write_csv(rows, out / "train.csv"), progress=progress)
     print(summary(rows, cfg.variants[0]))
-    if cfg.device.startswith("cuda"):
-        from .bench import host_line  # the TwELL ops' host time at this model's FFN shape
-
+    if host_line is not None and cfg.device.startswith("cuda"):
         print(host_line(cfg.hidden, cfg.intermediate))
     write_csv(rows, out / "train.csv")
     plot = write_plot(rows, out / "train.png", title)
