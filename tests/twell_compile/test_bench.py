@@ -180,6 +180,15 @@ def test_graphed_columns_are_measured_on_the_gpu(train):
     assert row.speedup_graphed == pytest.approx(row.dense_graphed_ms / row.twell_graphed_ms)
 
 
+@pytest.mark.gpu
+def test_host_line_measures_each_call_beside_its_target_on_the_gpu():
+    """The three forced calls run on the GPU (the dense one through the op's dense path) and each
+    reading stands beside its target: values are not asserted, only that all three were taken."""
+    line = bench.host_line(256, 512)
+    assert "not measured" not in line, line
+    for (path, train), target in bench.HOST_TARGETS_MS.items():
+        assert f"{bench.HOST_LABELS[path, train]} " in line and f"(target {target:g}: " in line, line
+
 @pytest.mark.parametrize("argv,flag", [(["--heavy-rows", "0", "65"], "--heavy-rows"), (["--overflow-rows", "65"], "--overflow-rows"),
                                        (["--overflow-rows", "4", "--overflow-tiles", "45"], "--overflow-tiles")])
 def test_cli_refuses_rows_or_tiles_the_problem_does_not_have(capsys, argv, flag):
