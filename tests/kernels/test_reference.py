@@ -6,7 +6,7 @@ Oracles:
 * backward: float64 autograd of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|`` (``tests.utils.dense_grads``);
 * accuracy (docs/architecture.md, 'Exactness contract'): in fp32/fp16/bf16 the reference's
   ``‖out − ref₆₄‖/‖ref₆₄‖`` must be no worse than dense PyTorch's in the same dtype, times
-  ``ACCURACY_SLACK``, plus a tiny epsilon;
+  ``ACCURACY_SLACK``, plus one unit roundoff of its sums' magnitude (``tiny`` × ``condition``);
 * NaN/Inf (docs/architecture.md, 'Exactness contract'): exactly dense PyTorch's NaN (and Inf)
   pattern in the same dtype.
 
@@ -64,6 +64,57 @@ def tiny(dtype: torch.dtype) -> float:
     up to that much, and on outputs of a few elements a dense result can be luckier than the
     correctly rounded one; beyond one unit roundoff the sparse path must match dense or beat it."""
     return torch.finfo(dtype).eps / 2
+
+
+def _ratio(magnitude: torch.Tensor, result: torch.Tensor) -> float:
+    norm = torch.linalg.vector_norm(result).item()
+    return max(1.0, torch.linalg.vector_norm(magnitude).item() / norm) if norm else 1.0
+
+
+def _hidden_magnitudes(ffn64):
+    """``(pre, up, pre_mag, up_mag)`` in float64: the pre-activations and their sums of |terms|."""
+    x, wg, wu, _, bg, bu, _ = ffn64.args()
+
+    def linear(a, w, b):
+        return a @ w.T + (0 if b is None else b)
+
+    up, up_mag = linear(x, wu, bu), linear(x.abs(), wu.abs(), None if bu is None else bu.abs())
+    if wg is None:
+        return up, up, up_mag, up_mag
+    return linear(x, wg, bg), up, linear(x.abs(), wg.abs(), None if bg is None else bg.abs()), up_mag
+
+
+def condition(ffn64) -> float:
+    """``‖Σ|terms|‖ / ‖ref‖`` (≥ 1) of the FFN's sums, in float64: the FFN of the inputs' absolute
+    values over its active neurons, against its result. The accuracy bar's unit roundoff is of the
+    sums' magnitude: where they cancel, either summation order can be the luckier by that much
+    (Hypothesis found the reference 2.3× dense's 1.2 units on a 2 × 2 float32 output of condition
+    28), which no order is responsible for."""
+    pre, _, pre_mag, up_mag = _hidden_magnitudes(ffn64)
+    h_mag = torch.where(pre > 0, pre_mag, 0.0) * (1.0 if ffn64.wg is None else up_mag)
+    magnitude = h_mag @ ffn64.wd.abs().T + (0 if ffn64.bd is None else ffn64.bd.abs())
+    return _ratio(magnitude, dense_ffn_ref(*ffn64.args()))
+
+
+def grad_conditions(ffn64, dout64, l1_scale: float, ref: dict) -> dict:
+    """``condition`` for each gradient of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|`` (``ref``:
+    the float64 gradients by name)."""
+    x, wg, wu, wd = ffn64.x, ffn64.wg, ffn64.wu, ffn64.wd
+    pre, up, pre_mag, up_mag = _hidden_magnitudes(ffn64)
+    active = pre > 0
+    dh_mag = dout64.abs() @ wd.abs() + abs(l1_scale) / max(1, x.shape[0])
+    if wg is None:
+        d_gate_mag, d_up_mag, h_mag = None, torch.where(active, dh_mag, 0.0), torch.where(active, up_mag, 0.0)
+    else:
+        d_gate_mag = torch.where(active, dh_mag * up.abs(), 0.0)
+        d_up_mag = dh_mag * torch.relu(pre)
+        h_mag = torch.where(active, pre_mag, 0.0) * up_mag
+    dx_mag = d_up_mag @ wu.abs() + (0 if wg is None else d_gate_mag @ wg.abs())
+    magnitudes = {"dx": dx_mag, "dwu": d_up_mag.T @ x.abs(), "dwd": dout64.abs().T @ h_mag, "dbu": d_up_mag.sum(0),
+                  "dbd": dout64.abs().sum(0)}
+    if wg is not None:
+        magnitudes.update(dwg=d_gate_mag.T @ x.abs(), dbg=d_gate_mag.sum(0))
+    return {name: _ratio(magnitudes[name], ref[name]) for name in ref if ref[name] is not None}
 
 
 L1_SCALES = st.sampled_from([0.0, 0.0, 1e-3, 0.5, 3.0])
@@ -165,9 +216,9 @@ def _check_accuracy(cfg: FFNConfig):
     assert r.out.dtype == ffn.dtype
     err_sparse = rel_error(r.out, ref)  # a NaN/Inf where the float64 result is finite fails here
     err_dense = rel_error(dense_ffn_ref(*ffn.args()), ref, nan_mismatch="inf")
-    bound = ACCURACY_SLACK * err_dense + tiny(ffn.dtype)
+    bound = ACCURACY_SLACK * err_dense + tiny(ffn.dtype) * condition(ffn64)
     assert err_sparse <= bound, (
-        f"{ffn.dtype}: sparse rel. error {err_sparse:.3e} > {ACCURACY_SLACK} × dense {err_dense:.3e} + tiny "
+        f"{ffn.dtype}: sparse rel. error {err_sparse:.3e} > {ACCURACY_SLACK} × dense {err_dense:.3e} + tiny × condition "
         f"(ratio {err_sparse / err_dense if err_dense else math.inf:.2f})"
     )
     # L1 comes back in the accumulation dtype: compare with the float64 L1 of the same inputs.
@@ -273,15 +324,17 @@ def _check_backward_accuracy(cfg: FFNConfig, l1_scale: float):
     _, grads = backward(ffn, dout, l1_scale, cfg.layout)
     _, ref = dense_grads(ffn.double(), dout.double(), l1_scale)
     _, base = dense_grads(ffn, dout, l1_scale)
+    conditions = grad_conditions(ffn.double(), dout.double(), l1_scale, ref)
     assert_grads_present(grads, ffn)
     for name in GRAD_NAMES:
         if ref[name] is None:
             continue
         err_sparse = rel_error(getattr(grads, name), ref[name])
         err_dense = rel_error(base[name], ref[name], nan_mismatch="inf")
-        bound = ACCURACY_SLACK * err_dense + tiny(ffn.dtype)
+        bound = ACCURACY_SLACK * err_dense + tiny(ffn.dtype) * conditions[name]
         assert err_sparse <= bound, (
-            f"{name} ({ffn.dtype}): sparse rel. error {err_sparse:.3e} > {ACCURACY_SLACK} × dense {err_dense:.3e} + tiny"
+            f"{name} ({ffn.dtype}): sparse rel. error {err_sparse:.3e} > {ACCURACY_SLACK} × dense {err_dense:.3e} "
+            f"+ tiny × condition {conditions[name]:.3g}"
         )
 
 
