@@ -366,3 +366,20 @@ def make_ffn_with_pattern(
         bu = 0.1 * torch.randn(h, generator=gen, dtype=f64) if bias else None
         return FFN(x, w_ctrl, wu, wd, b_ctrl, bu, bd).to(dtype)
     return FFN(x, None, w_ctrl, wd, None, b_ctrl, bd).to(dtype)
+
+
+def grad_magnitudes(ffn: "FFN", dout: Tensor, packed, up_val: Tensor, l1_scale: float):
+    """``Σ |terms|`` of each gradient element of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|``, in
+    float64 (a ``reference.Grads``): the reference backward on the absolute values of every finite
+    input, ``packed``/``up_val`` the forward's. Its masks are the original ones or wider (a stored
+    finite value is active or >= 0 already; a dense row's recomputed pre-activation only grows), so
+    each term it sums bounds one of the original's. Where a sum cancels, its summation order sets
+    the result to about a unit roundoff of this magnitude."""
+    from twell_compile.kernels import TwellPacked, reference
+
+    def absolute(t):
+        return None if t is None else torch.where(torch.isfinite(t), t.abs(), t).double()
+
+    abs_packed = TwellPacked(packed.idx, absolute(packed.val), packed.count)
+    return reference.ffn_backward_ref(absolute(dout), *(absolute(t) for t in ffn.args()), abs_packed, absolute(up_val),
+                                      torch.tensor(abs(float(l1_scale)), dtype=torch.float64, device=dout.device))

@@ -33,6 +33,7 @@ from tests.utils import (
     assert_same_nonfinite,
     dense_grads,
     dense_l1,
+    grad_magnitudes,
     make_ffn,
     make_ffn_with_pattern,
     rel_error,
@@ -71,50 +72,33 @@ def _ratio(magnitude: torch.Tensor, result: torch.Tensor) -> float:
     return max(1.0, torch.linalg.vector_norm(magnitude).item() / norm) if norm else 1.0
 
 
-def _hidden_magnitudes(ffn64):
-    """``(pre, up, pre_mag, up_mag)`` in float64: the pre-activations and their sums of |terms|."""
-    x, wg, wu, _, bg, bu, _ = ffn64.args()
-
-    def linear(a, w, b):
-        return a @ w.T + (0 if b is None else b)
-
-    up, up_mag = linear(x, wu, bu), linear(x.abs(), wu.abs(), None if bu is None else bu.abs())
-    if wg is None:
-        return up, up, up_mag, up_mag
-    return linear(x, wg, bg), up, linear(x.abs(), wg.abs(), None if bg is None else bg.abs()), up_mag
-
-
 def condition(ffn64) -> float:
     """``‖Σ|terms|‖ / ‖ref‖`` (≥ 1) of the FFN's sums, in float64: the FFN of the inputs' absolute
     values over its active neurons, against its result. The accuracy bar's unit roundoff is of the
     sums' magnitude: where they cancel, either summation order can be the luckier by that much
     (Hypothesis found the reference 2.3× dense's 1.2 units on a 2 × 2 float32 output of condition
     28), which no order is responsible for."""
-    pre, _, pre_mag, up_mag = _hidden_magnitudes(ffn64)
-    h_mag = torch.where(pre > 0, pre_mag, 0.0) * (1.0 if ffn64.wg is None else up_mag)
-    magnitude = h_mag @ ffn64.wd.abs().T + (0 if ffn64.bd is None else ffn64.bd.abs())
-    return _ratio(magnitude, dense_ffn_ref(*ffn64.args()))
+    x, wg, wu, wd, bg, bu, bd = ffn64.args()
+
+    def linear(a, w, b):
+        return a @ w.T + (0 if b is None else b)
+
+    def absolute(t):
+        return None if t is None else t.abs()
+
+    up_mag = linear(x.abs(), wu.abs(), absolute(bu))
+    pre = linear(x, wu, bu) if wg is None else linear(x, wg, bg)
+    pre_mag = up_mag if wg is None else linear(x.abs(), wg.abs(), absolute(bg))
+    h_mag = torch.where(pre > 0, pre_mag, 0.0) * (1.0 if wg is None else up_mag)
+    return _ratio(linear(h_mag, wd.abs(), absolute(bd)), dense_ffn_ref(x, wg, wu, wd, bg, bu, bd))
 
 
 def grad_conditions(ffn64, dout64, l1_scale: float, ref: dict) -> dict:
     """``condition`` for each gradient of ``(out · dout).sum() + l1_scale · (1/M) Σ|h|`` (``ref``:
-    the float64 gradients by name)."""
-    x, wg, wu, wd = ffn64.x, ffn64.wg, ffn64.wu, ffn64.wd
-    pre, up, pre_mag, up_mag = _hidden_magnitudes(ffn64)
-    active = pre > 0
-    dh_mag = dout64.abs() @ wd.abs() + abs(l1_scale) / max(1, x.shape[0])
-    if wg is None:
-        d_gate_mag, d_up_mag, h_mag = None, torch.where(active, dh_mag, 0.0), torch.where(active, up_mag, 0.0)
-    else:
-        d_gate_mag = torch.where(active, dh_mag * up.abs(), 0.0)
-        d_up_mag = dh_mag * torch.relu(pre)
-        h_mag = torch.where(active, pre_mag, 0.0) * up_mag
-    dx_mag = d_up_mag @ wu.abs() + (0 if wg is None else d_gate_mag @ wg.abs())
-    magnitudes = {"dx": dx_mag, "dwu": d_up_mag.T @ x.abs(), "dwd": dout64.abs().T @ h_mag, "dbu": d_up_mag.sum(0),
-                  "dbd": dout64.abs().sum(0)}
-    if wg is not None:
-        magnitudes.update(dwg=d_gate_mag.T @ x.abs(), dbg=d_gate_mag.sum(0))
-    return {name: _ratio(magnitudes[name], ref[name]) for name in ref if ref[name] is not None}
+    the float64 gradients by name), from ``grad_magnitudes`` on the float64 forward's TwELL buffers."""
+    fwd = ffn_forward_ref(*ffn64.args())
+    magnitudes = grad_magnitudes(ffn64, dout64, fwd.packed, fwd.up_val, l1_scale)
+    return {name: _ratio(getattr(magnitudes, name), ref[name]) for name in ref if ref[name] is not None}
 
 
 L1_SCALES = st.sampled_from([0.0, 0.0, 1e-3, 0.5, 3.0])

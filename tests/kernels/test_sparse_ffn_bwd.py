@@ -31,8 +31,8 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.strategies import EDGE_H, densities, sizes  # noqa: E402
-from tests.utils import (FFN, GRAD_NAMES, assert_close_verbose, dense_grads, gate_threshold, make_ffn,  # noqa: E402
-                         make_ffn_with_pattern, rel_error)
+from tests.utils import (FFN, GRAD_NAMES, assert_close_verbose, dense_grads, gate_threshold, grad_magnitudes,  # noqa: E402
+                         make_ffn, make_ffn_with_pattern, rel_error)
 from twell_compile.kernels import reference as R  # noqa: E402
 from twell_compile.kernels.sparse_ffn_bwd import backward_dense_rows, sparse_ffn_backward  # noqa: E402
 from twell_compile.kernels.wgrad import HOT_SPLIT_MIN  # noqa: E402
@@ -84,7 +84,7 @@ def _reference(ffn, dout, packed, up_val, l1):
 
 def assert_grads_close(got: R.Grads, ref: R.Grads, dtype, label: str = "", magnitudes: "R.Grads | None" = None) -> None:
     """``got`` against ``ref`` at the dtype's tolerances, × the largest finite expected value.
-    ``magnitudes`` (``_magnitudes``) adds the rounding bound ``n · u · Σ|terms|`` to each finite
+    ``magnitudes`` (``tests.utils.grad_magnitudes``) adds the rounding bound ``n · u · Σ|terms|`` to each finite
     element's tolerance (``u`` the unit roundoff, ``n`` the roundings of the longest chain: D for
     ``dh``, then two per pair of a neuron): where a huge value multiplies a sum that cancels, the
     summation order decides the result to that much, whichever order the kernel and the reference
@@ -103,20 +103,6 @@ def assert_grads_close(got: R.Grads, ref: R.Grads, dtype, label: str = "", magni
             rounding = (d + 2 * h + 2) * torch.finfo(dtype).eps / 2 * mag.double().cpu()
             atol = atol + torch.where(torch.isfinite(rounding), rounding, torch.zeros_like(rounding))
         assert_close_verbose(a, e, rtol=RTOL[dtype], atol=atol, name=label + name)
-
-
-def _magnitudes(ffn: FFN, dout, packed: TwellPacked, up_val, l1) -> R.Grads:
-    """``Σ |terms|`` of each gradient element, bounded in float64: the reference on the absolute
-    values of every finite input. Its masks are the original ones or wider (a stored finite value
-    is active or >= 0 already; a dense row's recomputed pre-activation only grows), so each term
-    it sums bounds one of the original's in magnitude."""
-    def mag(t):
-        return None if t is None else torch.where(torch.isfinite(t), t.abs(), t).double()
-
-    args = [mag(t) for t in ffn.args()]
-    abs_packed = TwellPacked(packed.idx, mag(packed.val), packed.count)
-    return R.ffn_backward_ref(mag(dout), *args, abs_packed, mag(up_val), torch.tensor(abs(float(l1)), dtype=torch.float64,
-                                                                                       device=dout.device))
 
 
 def _stored_sparse(packed: TwellPacked, dense_rows: torch.Tensor) -> torch.Tensor:
@@ -358,7 +344,7 @@ def test_special_values_in_packed(seed, gated, l1, rate):
     # A stored 1e30 multiplies dh = dout·Wd_j (+ the L1 term), whose cancellation leaves a few ulps
     # that the summation order sets: the tolerance grows with each element's sum of |terms|.
     assert_grads_close(got, _reference(ffn, dout, packed, up_val, l1), torch.float32,
-                       magnitudes=_magnitudes(ffn, dout, packed, up_val, l1))
+                       magnitudes=grad_magnitudes(ffn, dout, packed, up_val, l1))
 
 
 @pytest.mark.parametrize("where", ["x_nan", "x_inf", "dout_inf", "wd_nan", "bu_inf"])
