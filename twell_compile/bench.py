@@ -138,20 +138,28 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-# Host time a call may take, in ms, at M=512 where the GPU waits for the host: the project's
-# targets, printed beside each measurement. Below them the ops' host work hides behind the GPU's
-# from ~4096 tokens at the 2B FFN shape (docs/benchmarks.md, "Host time of the TwELL ops").
+# Host time a call may take, in ms, at M=512: the project's targets, printed beside each
+# measurement. Below them the ops' host work hides behind the GPU's from ~4096 tokens at the 2B
+# FFN shape (docs/benchmarks.md, "Host time of the TwELL ops").
 HOST_TARGETS_MS = {("sparse", False): 0.15, ("sparse", True): 0.5, ("dense", False): 0.1}
 HOST_LABELS = {("sparse", False): "a sparse inference call", ("sparse", True): "a sparse training step",
                ("dense", False): "a dense inference call"}
+# GPU clock cycles of the spin that keeps the GPU busy while host_ms times the host: ~0.25 s on an
+# H200 or H100 (1.5-2 GHz), far more than 50 calls' host work.
+HOST_SPIN_CYCLES = 500_000_000
 
 
 def host_ms(d: int, h: int, *, train: bool, path: str = "sparse", calls: int = 50, reps: int = 5) -> float:
     """Host time of one TwELL call forced onto ``path`` at M=512 tokens (ms, median of ``reps``
-    rounds of ``calls``), where the GPU waits for the host: a training step (forward, backward,
-    weights updated) or an inference call. Near 0.5% density at the benchmark shape a sparse call's
-    GPU work is about as long as its host's work, which differs by 1.5-2x between the H200's hosts:
-    this says how fast this run's was, and so whether its eager readings were the host's."""
+    rounds of ``calls``): a training step (forward, backward, weights updated) or an inference call.
+
+    Each round first queues a GPU spin (``torch.cuda._sleep``) that outlasts the round, so the host
+    never waits for the GPU and the clock times its work alone (Python, dispatch, allocations,
+    launches), whatever the calls' GPU time. A call that synchronises with the GPU would wait for
+    the spin: that raises, as does a spin the host outran. Near 0.5% density at the benchmark shape
+    a sparse call's GPU work is about as long as its host's work, which differs by 1.5-2x between
+    the H200's hosts: this says how fast this run's was, and so whether its eager readings were the
+    host's."""
     x, wg, wu, wd = make_problem(512, d, h, 0.005, skewed=False)
     if train:
         params = [p.detach().requires_grad_() for p in (x, wg, wu, wd)]
@@ -165,17 +173,24 @@ def host_ms(d: int, h: int, *, train: bool, path: str = "sparse", calls: int = 5
             with torch.no_grad():
                 torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_002)
 
+    spun = torch.cuda.Event()
     with force_path(path):
         for _ in range(5):
             call()
         times = []
         for _ in range(reps):
             torch.cuda.synchronize()
+            torch.cuda._sleep(HOST_SPIN_CYCLES)
+            spun.record()
             t = time.perf_counter()
             for _ in range(calls):
                 call()
-            torch.cuda.synchronize()
             times.append((time.perf_counter() - t) / calls * 1e3)
+            if spun.query():
+                raise RuntimeError(f"the GPU finished its {HOST_SPIN_CYCLES:.0e}-cycle spin before the host finished "
+                                   f"{calls} calls ({times[-1] * calls:.1f} ms): a call waited for the GPU (a host "
+                                   "sync), or the host is too slow for the spin")
+    torch.cuda.synchronize()
     return statistics.median(times)
 
 
@@ -193,7 +208,7 @@ def host_line(d: int, h: int) -> str:
         verdict = "met" if ms <= target else f"{ms / target:.1f}x over"
         measured.append(f"{label} {ms:.3f} ms (target {target:g}: {verdict})")
     return (f"host: {cpu_model()}, {os.cpu_count()} cores; host time of a forced call at M=512, D={d}, H={h} "
-            f"(GPU waiting): {', '.join(measured)}")
+            f"(GPU kept busy): {', '.join(measured)}")
 
 
 def sparse_forced(fn: Callable[[], object]) -> Callable[[], object]:

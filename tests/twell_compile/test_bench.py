@@ -237,7 +237,7 @@ def test_host_line_names_the_cpu_and_says_when_the_step_was_not_measured(monkeyp
     times = {("sparse", False): 0.375, ("sparse", True): 0.5, ("dense", False): 0.08}
     monkeypatch.setattr(bench, "host_ms", lambda d, h, *, train, path: times[path, train])
     assert bench.host_line(64, 128).endswith(
-        "at M=512, D=64, H=128 (GPU waiting): a sparse inference call 0.375 ms (target 0.15: 2.5x over), "
+        "at M=512, D=64, H=128 (GPU kept busy): a sparse inference call 0.375 ms (target 0.15: 2.5x over), "
         "a sparse training step 0.500 ms (target 0.5: met), a dense inference call 0.080 ms (target 0.1: met)")
 
 
