@@ -159,5 +159,5 @@ def compile_inner(gm: fx.GraphModule, example_inputs: list, inner: str, mode: Op
 
 # Before the first compile: a training loop may look up GradScaler.scale before the call that
 # compiles (``scaler.scale(model(x))`` fetches the method first).
-ddp_rewrite.install()
+ddp_rewrite.install(twell_backend, prepare_graph)
 loss_scaling_hooks.install()

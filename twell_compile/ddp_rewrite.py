@@ -11,20 +11,23 @@ backend it will call is twell's, the FFNs of the whole graph are rewritten first
 ``twell::ffn_train`` node holding all three weights, which DDPOptimizer puts into one bucket, so
 no cut can fall inside it. The pieces then reach the backend already rewritten.
 
-Applied when ``twell_compile.backend`` is imported (``torch.compile(backend="twell")`` looks the
-backend up before it compiles anything); idempotent; for any other backend, and if DDPOptimizer's
-signature is not the one expected, the original runs unchanged.
+Installed by ``twell_compile.backend`` when it is imported (``torch.compile(backend="twell")``
+looks the backend up before it compiles anything), which hands in its backend and its graph
+preparation; idempotent; for any other backend, and if DDPOptimizer's signature is not the one
+expected, the original runs unchanged.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 _WRAPPED = "_twell_ddp_wrapped"
 
 
-def install() -> None:
+def install(backend: Callable, prepare_graph: Callable) -> None:
+    """Wrap ``DDPOptimizer.compile_fn``: when the backend it calls is ``backend``, the whole graph
+    goes through ``prepare_graph(gm, mode, options)`` before DDPOptimizer cuts it."""
     try:
         from torch._dynamo.backends.distributed import DDPOptimizer
     except ImportError:  # a torch build without distributed
@@ -35,10 +38,8 @@ def install() -> None:
 
     @functools.wraps(original)
     def compile_fn(self, gm, example_inputs, **compiler_configs):
-        found = twell_call(self.backend_compile_fn)
+        found = backend_call(self.backend_compile_fn, backend)
         if found is not None:
-            from .backend import prepare_graph
-
             prepare_graph(gm, *found)  # the pieces are compiled without a dense variant
         return original(self, gm, example_inputs, **compiler_configs)
 
@@ -46,15 +47,13 @@ def install() -> None:
     DDPOptimizer.compile_fn = compile_fn
 
 
-def twell_call(fn: Any) -> Optional[tuple[Optional[str], Optional[dict]]]:
-    """``(mode, options)`` if ``fn`` is twell's backend as ``torch.compile`` wraps it, else None."""
-    from .backend import twell_backend
-
+def backend_call(fn: Any, backend: Callable) -> Optional[tuple[Optional[str], Optional[dict]]]:
+    """``(mode, options)`` if ``fn`` is ``backend`` as ``torch.compile`` wraps it, else None."""
     for _ in range(8):  # Dynamo's debug and callback wrappers
-        if fn is twell_backend:
+        if fn is backend:
             return None, None
         inner = getattr(fn, "compiler_fn", None)
-        if inner is twell_backend:  # torch's _TorchCompileWrapper: backend="twell", mode=, options=
+        if inner is backend:  # torch's _TorchCompileWrapper: backend="twell", mode=, options=
             kwargs = getattr(fn, "kwargs", {}) or {}
             return kwargs.get("mode"), kwargs.get("options")
         nxt = getattr(fn, "_torchdynamo_orig_backend", None)
