@@ -28,6 +28,8 @@ from typing import Hashable, Optional
 import torch
 from torch import nn
 
+from . import loss_scaling
+
 
 @dataclass(eq=False)
 class Layer:
@@ -142,11 +144,12 @@ def refresh_factors(model: Optional[Model] = None) -> None:
 
 
 def _write_factor(model: Model, device: str, t: torch.Tensor) -> None:
-    from . import loss_scaling
-
     # Through .data: a backward in flight holds these tensors, and must not see a version change.
     with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad(), torch.inference_mode(False):
         loss_scaling.write_scaled(t.data, 1.0 / model.n_layers, device)
+
+
+loss_scaling.on_change(refresh_factors)
 
 
 def layer(layer_id: int) -> Optional[Layer]:

@@ -21,7 +21,7 @@ multiplied by the same ``S``, so that
   Hugging Face Trainer (``integrations.TwellCallback``) set it from their accumulation steps.
 
 The value reaches the ops through each model's live L1 factor (``layers.py``), which their
-backward reads.
+backward reads: ``layers`` subscribes to every change of ``S`` (``on_change``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -37,6 +37,12 @@ _lock = threading.RLock()
 _factor = 1.0  # the host factor
 _scaler_scale: Optional[torch.Tensor] = None  # a GradScaler's scale, during the backward it scaled
 _scaled_by: Optional[object] = None  # the hook that set it: only its end, or a stale check, clears it
+_listeners: list[Callable[[], None]] = []  # called after every change of S
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` after every change of ``S`` (under this module's lock)."""
+    _listeners.append(listener)
 
 
 def get_loss_scale() -> float:
@@ -115,9 +121,8 @@ def write_scaled(dst: torch.Tensor, value: float, device: str) -> None:
 
 
 def _refresh() -> None:
-    from . import layers
-
-    layers.refresh_factors()
+    for listener in _listeners:
+        listener()
 
 
 def _check_factor(factor: float) -> None:
