@@ -34,7 +34,9 @@ from typing import Optional
 
 import torch
 
-from .options import TwellOptions
+from . import announcement
+from .announcement import announce
+from .options import TwellOptions, quiet
 
 _lock = threading.Lock()
 _options: Optional[TwellOptions] = None
@@ -62,6 +64,7 @@ def install(options: TwellOptions) -> None:
         if _options is not None:
             return
         _options = options
+        announcement.start(options)
         from . import loss_scaling_hooks
 
         loss_scaling_hooks.install()
@@ -154,46 +157,6 @@ def _has_patched_modules(module) -> bool:
     from .patch_ffn import STATE_ATTR
 
     return any(STATE_ATTR in m.__dict__ for m in module.modules())
-
-
-_announced: set = set()  # (the layer registry's model entry, compiled) pairs already announced
-
-
-def quiet() -> bool:
-    """``TWELL_QUIET=1`` silences the one-line summary and the nothing-matched warning."""
-    from .options import env_flag
-
-    try:
-        return env_flag("TWELL_QUIET")
-    except ValueError:
-        return False  # checked at activation, which stops the run on a bad value
-
-
-def announce(rewritten, skipped, *, note: str = "") -> None:
-    """One line on stderr per model and route (eager patch, compiled graphs), at its first rewrite:
-    what ``TWELL=1`` did. Every route that rewrites calls it; it prints nothing unless ``TWELL=1``
-    activated twell, nor with ``TWELL_QUIET=1``."""
-    if _options is None or not rewritten or quiet():
-        return
-    from . import layers
-    from .reporting import name_pattern
-
-    groups: dict = {}
-    for r in rewritten:
-        entry = layers.layer(r.layer)
-        model = entry.model if entry is not None else None
-        groups.setdefault((model, r.graph != "patch"), []).append(r)
-    for (model, compiled), found in groups.items():
-        with _lock:
-            if (model, compiled) in _announced:
-                continue
-            _announced.add((model, compiled))
-        owner = f" of {model.label}" if model is not None and model.module is not None else ""
-        route = " in compiled graphs" if compiled else ""
-        names = found[0].where if len(found) == 1 else name_pattern([r.where for r in found])
-        sys.stderr.write(f"twell: rewrote {len(found)} FFN(s){owner} ({names}){route}, skipped {len(skipped)}; "
-                         f"l1_coeff {_options.l1_coeff:g}{note} (twell_compile.report() has the details; "
-                         "TWELL_QUIET=1 silences this)\n")
 
 
 def _looks_like_a_model(module) -> bool:

@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from . import ddp_rewrite, layers, loss_scaling_hooks, variants
+from .announcement import announce
 from .cache_salt import salted_config_patches
 from .module_paths import calling_model
 from .options import TwellOptions
@@ -103,8 +104,6 @@ def prepare_graph(gm: fx.GraphModule, mode: Optional[str], options: Optional[dic
         _patch_if_checkpointed(opts)
         rewritten, skipped = rewrite_ffns(gm, opts, graph_name=f"graph{next(_graph_ids)}",
                                           cuda_graphs=opts.inner == "inductor" and uses_cuda_graphs(mode))
-        from .activate import announce
-
         announce(rewritten, skipped)  # one line on stderr when TWELL=1 routed this compile here
         gm.meta[REWRITTEN_META] = True  # the TWELL=1 pre-grad pass and the pieces must not rewrite it again
     return opts, mode, rewritten

@@ -168,6 +168,14 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     raise ValueError(f"twell: {name}={raw!r} is not accepted; use 1/0 (or true/false, on/off, yes/no)")
 
 
+def quiet() -> bool:
+    """``TWELL_QUIET=1`` silences ``TWELL=1``'s one-line summaries and its nothing-matched warnings."""
+    try:
+        return env_flag("TWELL_QUIET")
+    except ValueError:
+        return False  # checked at activation, which stops the run on a bad value
+
+
 def check_l1(value: Any, where: str) -> None:
     """A coefficient is a number >= 0 that stays finite in float32, the dtype the ops read it in
     (1e39 is a finite Python float but Inf in float32)."""

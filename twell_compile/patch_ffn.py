@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from . import density_control, layers, lowering, loss_scaling_hooks, reporting
+from .announcement import announce
 from .l1 import forward_value
 from .module_ffn import ROLES, Roles, dtype_name, examine, hidden_width, is_candidate, lora_base
 from .module_paths import ModelIndex, calling_model, clean_path, display_name, gathers_weights, unwrap
@@ -250,8 +251,6 @@ class FFNPatch:
         ``register_on_call``: the layer under the model calling it (the modules on the stack)."""
         model = calling_model()
         if module in _waiting:
-            from .activate import announce
-
             announce(register_waiting(model, [module]), [])
             return
         path = ModelIndex(model).module_path(module) if model is not None else None

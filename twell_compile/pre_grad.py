@@ -8,7 +8,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .activate import announce
+from .announcement import announce
 from .cache_salt import source_hash
 from .options import TwellOptions
 from .rewrite_ffn import rewrite_ffns

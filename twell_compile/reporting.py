@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .lowering import telemetry
+from .options import quiet
 
 
 class SkipReason(enum.Enum):
@@ -278,8 +279,6 @@ def warn_unrewritten(label: str, key, skipped: list[Skipped], context: str, stac
     """Once per ``key`` (a model and its reasons): twell was asked for, FFN-like patterns were found
     and none was rewritten, so the L1 term is silently missing unless someone says so."""
     import warnings
-
-    from .activate import quiet
 
     if quiet():
         return

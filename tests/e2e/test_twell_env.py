@@ -521,13 +521,15 @@ IN_PROCESS_L1 = 0.25
 def twell_1(monkeypatch):
     """TWELL=1 in this process, ``TWELL_L1=0.25``: its first-call hook and its ``torch.compile``
     wrapper, both removed afterwards; not its Inductor routes, which would outlive the test."""
-    from twell_compile import activate
+    from twell_compile import activate, announcement
     from twell_compile.options import TwellOptions
 
     reset_state()
     monkeypatch.delenv("TWELL_QUIET", raising=False)
-    monkeypatch.setattr(activate, "_options", TwellOptions(l1_coeff=IN_PROCESS_L1))
-    monkeypatch.setattr(activate, "_announced", set())
+    options = TwellOptions(l1_coeff=IN_PROCESS_L1)
+    monkeypatch.setattr(activate, "_options", options)
+    monkeypatch.setattr(announcement, "_options", options)
+    monkeypatch.setattr(announcement, "_announced", set())
     monkeypatch.setattr(activate, "_roots_without_ffn", 0)
     monkeypatch.setattr(activate, "install_compile_routes", lambda: None)
     monkeypatch.setattr(torch, "compile", activate._compile_wrapper(torch.compile))
