@@ -144,22 +144,33 @@ def cpu_model() -> str:
 HOST_TARGETS_MS = {("sparse", False): 0.15, ("sparse", True): 0.5, ("dense", False): 0.1}
 HOST_LABELS = {("sparse", False): "a sparse inference call", ("sparse", True): "a sparse training step",
                ("dense", False): "a dense inference call"}
-# GPU clock cycles of the spin that keeps the GPU busy while host_ms times the host: ~0.25 s on an
-# H200 or H100 (1.5-2 GHz), far more than 50 calls' host work.
-HOST_SPIN_CYCLES = 500_000_000
+# Calls per timed round of host_ms. Behind the spin every launch waits in CUDA's queue, which holds
+# ~1000 of them; a full queue would make the host wait for the spin. 50 inference calls queue ~300
+# launches, 20 training steps ~400.
+HOST_CALLS = {False: 50, True: 20}
 
 
-def host_ms(d: int, h: int, *, train: bool, path: str = "sparse", calls: int = 50, reps: int = 5) -> float:
+def spin_cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond on the current device, timed."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
+def host_ms(d: int, h: int, *, train: bool, path: str = "sparse", reps: int = 5) -> float:
     """Host time of one TwELL call forced onto ``path`` at M=512 tokens (ms, median of ``reps``
-    rounds of ``calls``): a training step (forward, backward, weights updated) or an inference call.
+    rounds of ``HOST_CALLS`` calls): a training step (forward, backward, weights updated) or an
+    inference call.
 
-    Each round first queues a GPU spin (``torch.cuda._sleep``) that outlasts the round, so the host
-    never waits for the GPU and the clock times its work alone (Python, dispatch, allocations,
-    launches), whatever the calls' GPU time. A call that synchronises with the GPU would wait for
-    the spin: that raises, as does a spin the host outran. Near 0.5% density at the benchmark shape
-    a sparse call's GPU work is about as long as its host's work, which differs by 1.5-2x between
-    the H200's hosts: this says how fast this run's was, and so whether its eager readings were the
-    host's."""
+    Each round first queues a GPU spin (``torch.cuda._sleep``) three times as long as an untimed
+    round took, so the host never waits for the GPU and the clock times its work alone (Python,
+    dispatch, allocations, launches), whatever the calls' GPU time. A call that synchronises with
+    the GPU would wait for the spin: that raises. Near 0.5% density at the benchmark shape a sparse
+    call's GPU work is about as long as its host's work, which differs by 1.5-2x between the H200's
+    hosts: this says how fast this run's was, and so whether its eager readings were the host's."""
     x, wg, wu, wd = make_problem(512, d, h, 0.005, skewed=False)
     if train:
         params = [p.detach().requires_grad_() for p in (x, wg, wu, wd)]
@@ -173,24 +184,30 @@ def host_ms(d: int, h: int, *, train: bool, path: str = "sparse", calls: int = 5
             with torch.no_grad():
                 torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_002)
 
+    calls = HOST_CALLS[train]
     spun = torch.cuda.Event()
     with force_path(path):
         for _ in range(5):
             call()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):  # untimed: sizes the spin (host and GPU time together)
+            call()
+        torch.cuda.synchronize()
+        spin = int(spin_cycles_per_ms() * max(20.0, 3e3 * (time.perf_counter() - t)))
         times = []
         for _ in range(reps):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(HOST_SPIN_CYCLES)
+            torch.cuda._sleep(spin)
             spun.record()
             t = time.perf_counter()
             for _ in range(calls):
                 call()
             times.append((time.perf_counter() - t) / calls * 1e3)
             if spun.query():
-                raise RuntimeError(f"the GPU finished its {HOST_SPIN_CYCLES:.0e}-cycle spin before the host finished "
+                raise RuntimeError(f"the GPU finished a spin 3x as long as an untimed round before the host finished "
                                    f"{calls} calls ({times[-1] * calls:.1f} ms): a call waited for the GPU (a host "
-                                   "sync), or the host is too slow for the spin")
-    torch.cuda.synchronize()
+                                   "sync)")
+            torch.cuda.synchronize()
     return statistics.median(times)
 
 
