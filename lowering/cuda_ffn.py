@@ -20,11 +20,11 @@ import torch
 
 from twell_compile.kernels import DEFAULT_LAYOUT, TwellPacked, reference
 
-from . import cuda_graphs, dispatch_policy, telemetry
+from . import call_replay, cuda_graphs, dispatch_policy, telemetry
 from .capture import prepare_capture
 from .dense_path import dense_backward, dense_forward
 from .handoff import DENSE_FORWARDS, remember, take_saved
-from .sparse_path import sparse_backward, sparse_forward
+from .sparse_path import dense_wgrad_gemm, sparse_backward, sparse_forward
 from .weight_cache import WeightPrep
 
 # The training L1 value for stats() costs a reduction and a copy (two launches of host time): measure
@@ -45,22 +45,31 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     capturing = cuda_graphs.capturing()
     signature = dispatch_policy.problem_signature(x2d, wg, wu, bg, bu, bd, training)
     forced = dispatch_policy.FORCED_PATH
+    keep = layer not in cuda_graphs.CUDA_GRAPH_LAYERS
+    replay = call_replay.eligible(x2d, wu.shape[0], layer, capturing, keep)
     if forced is None:
-        sparse = dispatch_policy.takes_sparse(policy, x2d.shape[0], signature, training, capturing)
+        sparse = dispatch_policy.takes_sparse(policy, x2d.shape[0], signature, training, capturing, replay)
     else:
         sparse = forced == "sparse"
     sparse = sparse and x2d.dtype != torch.float64
     want_l1 = training and (capturing or policy.calls % L1_EVERY == 0)
     saved = None
-    keep = layer not in cuda_graphs.CUDA_GRAPH_LAYERS
     record = telemetry.call_record(layer, x2d.device, sparse)
-    if sparse:
+    weights = (wg, wu, wd, bg, bu, bd)
+    if sparse and replay:
+        res, saved = _replayed_sparse_forward(x2d, weights, layer, training, want_l1, record, keep)
+        dispatch_policy.WARM.add(("forward", *signature))
+    elif sparse:
         prep = WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep, layer=layer)
         res = sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record, keep=keep, prep=prep)
         if capturing:
             saved = prep  # the captured backward's, as nothing is cached under capture
         else:
             dispatch_policy.WARM.add(("forward", *signature))
+    elif replay and not training:  # a dense training forward keeps [M, H] activations: not replayed
+        out = call_replay.forward(layer, False, False, False, x2d, weights, record, lambda x, rec: dense_forward(
+            x, wg, wu, wd, bg, bu, bd, False, False, rec)[0].out)
+        res = reference.ForwardResult(out, None, None, None, None)
     else:
         res, saved = dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record)
     if training:
@@ -72,6 +81,23 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     if not keep and not capturing and forced is None and x2d.dtype != torch.float64:
         prepare_capture(policy, x2d, wg, wu, wd, bg, bu, bd, sparse, training, signature, layer)
     return res, sparse
+
+
+def _replayed_sparse_forward(x2d, weights: tuple, layer: int, training: bool, want_l1: bool, record, keep: bool):
+    """The sparse forward through ``call_replay``: ``(result, hand-off)``. Inference reads the
+    cached per-weight prep; a training graph makes its own (the weights change every step), which
+    its backward then reads, handed off as a capture's is."""
+    if not training:
+        prep = WeightPrep.get(*weights, keep=keep, layer=layer)
+        out = call_replay.forward(layer, True, False, False, x2d, weights, record, lambda x, rec: sparse_forward(
+            x, *weights, False, False, rec, prep=prep).out, prep)
+        return reference.ForwardResult(out, None, None, None, None), None
+
+    def launches(x, rec):
+        prep = WeightPrep.get(*weights, keep=keep, layer=layer)  # made in the graph: not cached under capture
+        return sparse_forward(x, *weights, True, want_l1, rec, keep=keep, prep=prep), prep
+
+    return call_replay.forward(layer, True, True, want_l1, x2d, weights, record, launches)
 
 
 def _record_fired(layer: int, res, saved, sparse: bool, tokens: int, hidden: int) -> None:
@@ -92,7 +118,21 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     """Gradients of ``loss + l1_scale · L1``, on the path the forward took (``layer``: the
     forward's, when known; a layer compiled for CUDA graphs caches nothing per weight)."""
     key = packed.count.data_ptr()
+    forward_graph = None if cuda_graphs.capturing() else call_replay.training_forward(packed.count, x2d)
+    if forward_graph is not None:
+        return _replayed_sparse_backward(forward_graph, dout2d, wg, wu, wd, bg, bu, bd, l1_scale, layer)
     if DENSE_FORWARDS.get(key, False) or x2d.dtype == torch.float64:
         # The popped activations go straight in: no reference here outlives their last use there.
         return dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale, take_saved(key, dense=True))
     return sparse_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale, layer=layer)
+
+
+def _replayed_sparse_backward(forward_graph, dout2d, wg, wu, wd, bg, bu, bd, l1_scale, layer) -> reference.Grads:
+    """The backward of a sparse training forward replayed from a graph, through ``call_replay``:
+    it reads that graph's tokens, TwELL buffers and per-weight prep."""
+    (res, prep), x_graph = forward_graph.result, forward_graph.inputs[0]
+    take_saved(res.packed.count.data_ptr(), dense=False)  # the hand-off of that prep: dropped, it is read here
+    gemm = dense_wgrad_gemm(layer, x_graph)
+    key = (gemm, dout2d.dtype, l1_scale.dtype, *(None if w is None else w.data_ptr() for w in (wg, wu, wd, bg, bu, bd)))
+    return call_replay.backward(forward_graph, key, dout2d, l1_scale, lambda dout, scale: sparse_backward(
+        dout, x_graph, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, scale, layer=layer, prep=prep, gemm=gemm))

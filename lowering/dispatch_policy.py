@@ -35,7 +35,8 @@ SPARSE_MAX_DENSITY = {"inference": 0.0105, "training": 0.0105}
 # D=2048, H=5632 undercuts below ~9.4k tokens (M=4096: sparse 1.40 ms, dense 0.44 ms).
 SPARSE_MIN_TOKENS = 12288
 # Inside a CUDA graph there is no host time to pay, so the sparse path beats dense from fewer
-# tokens: a capture records it from SPARSE_MIN_TOKENS_CAPTURED tokens, below
+# tokens: a capture (or an inference call replayed from a graph of its own, ``call_replay``)
+# records it from SPARSE_MIN_TOKENS_CAPTURED tokens, below
 # SPARSE_MAX_DENSITY_FEW_TOKENS until SPARSE_FULL_TOKENS_CAPTURED tokens and below
 # SPARSE_MAX_DENSITY from there. H200, every provider captured, forced sparse against dense,
 # uniform neurons, inference:
@@ -84,11 +85,13 @@ class LayerPolicy:
         self.refresh()
         return self.measured and self.dense_row_fraction * tokens >= rows
 
-    def choose(self, training: bool) -> bool:
-        """Whether the last measured call's density and dense rows favour the sparse path."""
+    def choose(self, training: bool, few_tokens: bool = False) -> bool:
+        """Whether the last measured call's density and dense rows favour the sparse path (for a
+        call of ``few_tokens``, under ``SPARSE_FULL_TOKENS_CAPTURED``: a lower density limit)."""
         self.refresh()
         mode = "training" if training else "inference"
-        return self.density < SPARSE_MAX_DENSITY[mode] and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS[mode]
+        limit = min(SPARSE_MAX_DENSITY[mode], SPARSE_MAX_DENSITY_FEW_TOKENS) if few_tokens else SPARSE_MAX_DENSITY[mode]
+        return self.density < limit and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS[mode]
 
     def choose_captured(self, training: bool, tokens: int) -> bool:
         """The same for a call of ``tokens`` tokens that a CUDA graph records, which replays its
@@ -155,15 +158,20 @@ def is_warm(signature: tuple) -> bool:
     return ("forward", *signature) in WARM and (not training or ("backward", *signature) in WARM)
 
 
-def takes_sparse(policy: LayerPolicy, tokens: int, signature: tuple, training: bool, capturing: bool) -> bool:
+def takes_sparse(policy: LayerPolicy, tokens: int, signature: tuple, training: bool, capturing: bool,
+                 replayed: bool = False) -> bool:
     """Whether a call of ``tokens`` tokens takes the sparse path. In a capture: as
     ``choose_captured`` says, once the problem is warm. Outside: as ``choose`` says, from
-    ``SPARSE_MIN_TOKENS`` tokens; and a call that a capture would send sparse goes sparse while its
+    ``SPARSE_MIN_TOKENS`` tokens, or from ``SPARSE_MIN_TOKENS_CAPTURED`` for a call whose launches
+    are ``replayed`` from a CUDA graph (``call_replay``: no host time to pay either, and the path is
+    chosen again on every call); and a call that a capture would send sparse goes sparse while its
     problem is cold, once, so that its kernels are tuned before any capture."""
     if capturing:
         return policy.choose_captured(training, tokens) and is_warm(signature)
     if tokens >= SPARSE_MIN_TOKENS:
         return policy.choose(training)
+    if replayed and tokens >= SPARSE_MIN_TOKENS_CAPTURED:
+        return policy.choose(training, few_tokens=tokens < SPARSE_FULL_TOKENS_CAPTURED)
     if is_warm(signature):
         # Dense by its token count alone, but the layer's counters are still taken in: a later
         # capture, which cannot read them, must find its density measured.

@@ -66,20 +66,20 @@ def sparse_forward(x2d, wg, wu, wd, bg, bu, bd, training: bool, want_l1: bool,
 
 
 def sparse_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l1_scale, *,
-                    layer: Optional[int] = None) -> reference.Grads:
+                    layer: Optional[int] = None, prep: Optional[tuple] = None,
+                    gemm: Optional[bool] = None) -> reference.Grads:
     """Gradients of ``loss + l1_scale · L1`` after a sparse forward (``layer``: the forward's, when
-    known; a layer compiled for CUDA graphs caches nothing per weight)."""
+    known; a layer compiled for CUDA graphs caches nothing per weight). ``prep`` (the forward's
+    ``WeightPrep``) and ``gemm`` (``dense_wgrad_gemm``'s answer), when the caller has them."""
     key = packed.count.data_ptr()
     keep = layer not in cuda_graphs.CUDA_GRAPH_LAYERS
     # the forward's under capture; else once here (cached unless the layer is compiled for CUDA
     # graphs or its weights are gathered per call)
-    prep = take_saved(key, dense=False) or WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep, layer=layer)
+    prep = prep or take_saved(key, dense=False) or WeightPrep.get(wg, wu, wd, bg, bu, bd, keep=keep, layer=layer)
     _, backward_bound, wd_rows = prep
     dense_rows, listed = backward_guard_rows(dout2d, backward_bound, packed, keep=keep)
-    # The dense rows' weight gradients as GEMMs (an fp32 [planes, H, D] buffer) when the layer's
-    # last measured call had enough of them; the same result either way.
-    policy = None if layer is None else dispatch_policy.layer_policy(layer, x2d.device, create=False)
-    gemm = policy is not None and policy.expects_dense_rows(x2d.shape[0], DENSE_WGRAD_GEMM_ROWS)
+    if gemm is None:
+        gemm = dense_wgrad_gemm(layer, x2d)
     args = (dout2d, x2d, wg, wu, wd_rows, bg, bu, bd, packed, up_val, dense_rows, l1_scale)
     grads = sparse_ffn_backward(*args, dense_wgrad_gemm=gemm, row_list=listed, reuse_tickets=keep, check=False)
     signature = ("backward", *dispatch_policy.problem_signature(x2d, wg, wu, bg, bu, bd, True))
@@ -87,6 +87,14 @@ def sparse_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up
         tune_other_wgrad(args, gemm, listed, keep)
         dispatch_policy.WARM.add(signature)
     return grads
+
+
+def dense_wgrad_gemm(layer: Optional[int], x2d) -> bool:
+    """Whether the backward sums the dense rows' weight gradients as GEMMs (an fp32 ``[planes, H,
+    D]`` buffer): when the layer's last measured call had ``DENSE_WGRAD_GEMM_ROWS`` of them or
+    more. The same result either way."""
+    policy = None if layer is None else dispatch_policy.layer_policy(layer, x2d.device, create=False)
+    return policy is not None and policy.expects_dense_rows(x2d.shape[0], DENSE_WGRAD_GEMM_ROWS)
 
 
 def tune_other_wgrad(args: tuple, gemm: bool, listed, keep: bool) -> None:

@@ -134,17 +134,20 @@ class TwellOptions:
 
 
 # Every TWELL_* variable read anywhere: TWELL, the options' (``TwellOptions.from_env``),
-# TWELL_QUIET (activate.py) and TWELL_PLAIN_LAUNCH (kernels/launch.py).
+# TWELL_QUIET (activate.py), TWELL_PLAIN_LAUNCH (kernels/launch.py) and TWELL_CALL_REPLAY
+# (lowering/call_replay.py).
 ENV_VARIABLES = ("TWELL", "TWELL_L1", "TWELL_INNER", "TWELL_STRICT", "TWELL_TARGET_DENSITY", "TWELL_L1_MAX",
-                 "TWELL_DENSE_VARIANT", "TWELL_RELU_GATE", "TWELL_QUIET", "TWELL_PLAIN_LAUNCH")
+                 "TWELL_DENSE_VARIANT", "TWELL_RELU_GATE", "TWELL_QUIET", "TWELL_PLAIN_LAUNCH", "TWELL_CALL_REPLAY")
+# The switches their modules read when they load, mid-run: 0 or 1, checked up front.
+LOAD_TIME_SWITCHES = ("TWELL_PLAIN_LAUNCH", "TWELL_CALL_REPLAY")
 
 
 def check_env(environ: Mapping[str, str] | None = None) -> None:
     """The ``TWELL_*`` variables the options do not hold; a bad one raises naming it.
 
     A name nothing reads (a typo such as ``TWELL_L1_COEF``) would leave its setting silently
-    unapplied. ``TWELL_PLAIN_LAUNCH`` is read by ``kernels/launch.py`` only when the kernels load,
-    mid-run: checked here, it stops the run before any work.
+    unapplied. ``TWELL_PLAIN_LAUNCH`` and ``TWELL_CALL_REPLAY`` are read by their modules only
+    when those load, mid-run: checked here, they stop the run before any work.
     """
     env = os.environ if environ is None else environ
     unknown = sorted(k for k in env if k.startswith("TWELL_") and k not in ENV_VARIABLES)
@@ -152,8 +155,9 @@ def check_env(environ: Mapping[str, str] | None = None) -> None:
         raise ValueError(f"twell: {unknown[0]} is not a twell variable; the accepted ones are {', '.join(ENV_VARIABLES)}")
     if "TWELL_QUIET" in env:
         env_flag("TWELL_QUIET", env)
-    if env.get("TWELL_PLAIN_LAUNCH", "0") not in ("0", "1"):  # launch.py's own test, exactly
-        raise ValueError(f"twell: TWELL_PLAIN_LAUNCH={env['TWELL_PLAIN_LAUNCH']!r} is not accepted; use 0 or 1")
+    for name in LOAD_TIME_SWITCHES:
+        if env.get(name, "0") not in ("0", "1"):  # their modules' own test, exactly
+            raise ValueError(f"twell: {name}={env[name]!r} is not accepted; use 0 or 1")
 
 
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:

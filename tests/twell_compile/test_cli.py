@@ -268,6 +268,7 @@ def test_run_usage_errors(tmp_path, capsys, clean_env):
     assert err.out == "" and "TWELL_L1='fast' is not a number" in err.err
     clean_env.delenv("TWELL_L1")
     for name, value, says in (("TWELL_PLAIN_LAUNCH", "2", "TWELL_PLAIN_LAUNCH='2'"),
+                              ("TWELL_CALL_REPLAY", "on", "TWELL_CALL_REPLAY='on'"),
                               ("TWELL_L1_COEF", "1e-3", "TWELL_L1_COEF is not a twell variable")):
         clean_env.setenv(name, value)
         assert cli.main(["run", str(script)]) == 2, name

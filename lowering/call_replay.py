@@ -1,0 +1,317 @@
+"""Eager calls replayed from CUDA graphs: the ops' launches without their host time.
+
+An eager sparse inference call launches six Triton kernels and allocates about ten tensors, a
+training step some twenty of each. On an H100 host that is 0.4-0.7 ms of host time for an
+inference call and 2.2-2.9 ms for a training step, against ~75 µs of GPU work for the inference
+call at 512 tokens of the 2B FFN (docs/benchmarks.md): small calls, and every call of a small
+model, are bound by their host. So once a layer has run a call of one shape on one path eagerly,
+the next such call records its launches into a CUDA graph (``torch.cuda.CUDAGraph``), and later
+calls copy their tokens into the graph's input and replay it: a copy and a graph launch of host
+time.
+
+* **Which calls**: CUDA calls outside any CUDA-graph capture, of at most ``REPLAY_MAX_WORK``
+  tokens × D × H (beyond it the GPU work hides the host's and the copy would only add to it), for
+  layers not compiled for CUDA graphs (those replay Inductor's graphs already) and whose weights
+  are not gathered per call (FSDP2: new tensors every call). Inference calls on both paths,
+  training calls on the sparse path: a dense training forward keeps three ``[tokens, H]``
+  activations for its backward, which a graph would hold for good. ``TWELL_CALL_REPLAY=0`` turns
+  replays off.
+* **Exact**: a replay launches the binaries, configs and arguments its recorded call launched, on
+  the copied tokens and the weights' current memory: bitwise the eager result.
+* **Keys**: layer, device, path, mode, whether the call measures L1, the tokens' shape and dtype,
+  inference mode, and what the graph reads besides the tokens: the weights (pointer, shape,
+  dtype), the layer's telemetry buffers and, for inference, the cached per-weight tensors
+  (``WeightPrep``) and the weights' in-place versions, so that an optimizer step records anew and
+  drops the layer's older inference graphs. A training graph makes its per-weight tensors itself
+  on every replay, as any capture does, so every step replays the same graph on new weights.
+  A weight with no version counter (made under ``torch.inference_mode``) is never replayed.
+* **Training**: a recorded forward's result (the TwELL buffers, the per-weight tensors) is what its
+  backward reads, together with the forward graph's copy of the tokens; the backward finds its
+  forward by the ``count`` buffer it receives and checks that its tokens are the ones that forward
+  last ran on (pointer and version), else it runs eagerly. Each forward graph has its own backward
+  graphs (per host choice of the weight-gradient variant).
+* **Outputs**: a graph's result is handed to the caller, and that graph is replayed only once
+  nothing outside holds any of its storages (their use counts, the check Inductor's cudagraph trees
+  make). Until then a call of the same key records another graph, up to ``GRAPHS_PER_KEY``; past
+  that it runs eagerly. A caller that hands an output to another stream must ``record_stream`` it,
+  as for any tensor of the caching allocator.
+* **Bounded**: at most ``GRAPHS_PER_LAYER`` forward graphs per layer and device and
+  ``GRAPHS_MAX`` in all, least recently used dropped first. Each holds its input copy, its result
+  and the call's intermediates in a memory pool of its own: graphs replay in any order, so their
+  pools cannot be shared.
+
+Each recording first runs the call once outside the capture, result dropped and counters
+written to a scratch record, so that a kernel specialization never seen compiles there and not
+inside the capture. A capture that fails (out of memory, an operation a capture forbids) warns
+once and leaves its key to eager calls.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+
+from twell_compile.kernels import CallRecord
+
+from . import weight_cache
+from .weight_cache import state_key
+
+_setting = os.environ.get("TWELL_CALL_REPLAY", "1")
+if _setting not in ("0", "1"):
+    raise ValueError(f"TWELL_CALL_REPLAY must be 0 or 1, got {_setting!r}")
+ENABLED = _setting == "1"
+
+# Above this many tokens × D × H a call's GPU work hides its host time, and the input copies would
+# only add GPU time: 11.9k tokens at D=2048, H=5632 (a sparse inference call of 8192 tokens there
+# takes ~0.65 ms of GPU time), 87k at D=768, H=2048.
+REPLAY_MAX_WORK = 1 << 37
+GRAPHS_PER_KEY = 2
+GRAPHS_PER_LAYER = 4
+GRAPHS_MAX = 128
+
+Launches = Callable[..., Any]
+
+
+def tensors_of(result) -> list[torch.Tensor]:
+    """The tensors in a (nested) tuple of results."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, tuple):
+        return [t for part in result for t in tensors_of(part)]
+    return []
+
+
+def handed(result):
+    """``result`` with each tensor replaced by a new alias of it (``detach``): what the caller
+    gets, so that every reference it keeps counts as a use of the graph's storages."""
+    if isinstance(result, torch.Tensor):
+        return result.detach()
+    if isinstance(result, tuple):
+        parts = [handed(part) for part in result]
+        return type(result)(*parts) if hasattr(result, "_fields") else tuple(parts)
+    return result
+
+
+class RecordedCall:
+    """One CUDA graph of a call: the static inputs a call copies its values into, the result the
+    graph writes (handed to the caller on each replay), and what it reads that must stay alive."""
+
+    __slots__ = ("graph", "inputs", "result", "storages", "reads", "source", "backward")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple, result, reads: tuple) -> None:
+        self.graph, self.inputs, self.result = graph, inputs, result
+        self.reads = reads  # kept alive: their ids and pointers are in the key
+        # Per storage of the result: the uses it has when only this object holds it: one per
+        # tensor of the result on it and per base such a view keeps alive, and the storage object.
+        held: dict[int, tuple] = {}
+        for t in tensors_of(result):
+            storage = t.untyped_storage()
+            storage, impls = held.setdefault(storage._cdata, (storage, set()))  # not data_ptr: 0 for empty ones
+            impls.add(t._cdata)
+            if t._base is not None:
+                impls.add(t._base._cdata)
+        self.storages = [(storage, len(impls) + 1) for storage, impls in held.values()]
+        self.source: Optional[tuple] = None  # a training forward's input: (pointer, version)
+        self.backward: "OrderedDict[tuple, KeyState]" = OrderedDict()  # a training forward's backward graphs
+
+    def idle(self) -> bool:
+        """Whether nothing outside holds the result (a replay would overwrite it)."""
+        return all(torch._C._storage_Use_Count(s._cdata) == uses for s, uses in self.storages)
+
+    def replay(self, *values: torch.Tensor):
+        """Copy ``values`` into the graph's inputs, replay it, and hand out its result."""
+        for static, value in zip(self.inputs, values):
+            static.copy_(value)
+        self.graph.replay()
+        return handed(self.result)
+
+
+class KeyState:
+    """A key's eager calls, recorded graphs, and whether its capture failed."""
+
+    __slots__ = ("eager_calls", "graphs", "failed")
+
+    def __init__(self) -> None:
+        self.eager_calls = 0
+        self.graphs: list[RecordedCall] = []
+        self.failed = False
+
+
+# (layer, device index, path, training, L1 measured, shape, dtype, inference mode, reads) ->
+# KeyState, least recently used first
+KEYS: "OrderedDict[tuple, KeyState]" = OrderedDict()
+# count pointer -> the recorded training forward whose result holds that count
+TRAINING_FORWARDS: "dict[int, RecordedCall]" = {}
+_side_streams: dict[int, torch.cuda.Stream] = {}
+_warned: set = set()
+# How many graphs were recorded so far (``measure.first_launches`` counts them: a step that records
+# is slower than the replays after it)
+recordings = 0
+
+
+def eligible(x2d: torch.Tensor, hidden: int, layer: int, capturing: bool, keep: bool) -> bool:
+    """Whether a call may be replayed: enabled, CUDA, at most ``REPLAY_MAX_WORK`` tokens × D × H,
+    no capture underway, a layer that keeps per-weight state (not compiled for CUDA graphs) and
+    whose weights are not gathered per call."""
+    return (ENABLED and x2d.is_cuda and not capturing and keep and x2d.numel() * hidden <= REPLAY_MAX_WORK
+            and layer not in weight_cache.GATHERED_WEIGHT_LAYERS)
+
+
+def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.Tensor, weights: tuple,
+            record: CallRecord, launches: Launches, prep: Optional[tuple] = None):
+    """``launches(x2d, record)``'s result: replayed from a graph of the call's key, recorded now,
+    or run eagerly. ``weights``: ``(wg, wu, wd, bg, bu, bd)``, None for absent ones.
+
+    Inference: ``prep`` is the cached per-weight tensors the launches read (``WeightPrep.get``),
+    and the weights' in-place versions are in the key, so a changed weight (a new prep) records
+    anew. Training: the launches make their own prep, as under any capture, so the key holds the
+    weights' memory (pointer, shape, dtype) and not their versions, which every optimizer step
+    bumps; the replays read the weights' current values."""
+    if training:
+        reads = tuple(None if w is None else (w.data_ptr(), tuple(w.shape), w.dtype) for w in weights)
+    else:
+        reads = tuple(None if w is None else state_key(w) for w in weights)
+        if any(r is None for r, w in zip(reads, weights) if w is not None):
+            return launches(x2d, record)
+    # What the graph reads besides the tokens: the weights, the prep and the record's buffers (kept
+    # alive by the graph, so their ids and pointers stay theirs).
+    reads = (reads, id(prep), record.values.data_ptr(), record.scratch.data_ptr())
+    key = (layer, x2d.device.index or 0, sparse, training, want_l1, tuple(x2d.shape), x2d.dtype,
+           torch.is_inference_mode_enabled(), reads)
+    state = KEYS.get(key)
+    if state is None:
+        _drop_stale(key)
+        state = KEYS[key] = KeyState()
+    else:
+        KEYS.move_to_end(key)
+    recorded = next((r for r in state.graphs if r.idle()), None)
+    if recorded is not None:
+        result = recorded.replay(x2d)
+    elif state.failed or state.eager_calls == 0 or len(state.graphs) >= GRAPHS_PER_KEY:
+        state.eager_calls += 1
+        return launches(x2d, record)
+    else:
+        recorded = _record(layer, state, (x2d,), launches, (record,), (prep, record))
+        if recorded is None:
+            return launches(x2d, record)
+        _evict(key[:2])
+        result = handed(recorded.result)
+    if training:
+        recorded.source = (x2d.data_ptr(), x2d._version)
+        TRAINING_FORWARDS[result[0].packed.count.data_ptr()] = recorded
+    return result
+
+
+def training_forward(count: torch.Tensor, x2d: torch.Tensor) -> Optional[RecordedCall]:
+    """The recorded training forward whose result holds ``count`` and that last ran on ``x2d``
+    (its pointer and version), or None: then the backward runs eagerly."""
+    recorded = TRAINING_FORWARDS.get(count.data_ptr())
+    if recorded is None or recorded.result[0].packed.count.shape != count.shape:
+        return None
+    return recorded if recorded.source == (x2d.data_ptr(), x2d._version) else None
+
+
+def backward(fwd: RecordedCall, key: tuple, dout2d: torch.Tensor, l1_scale: torch.Tensor, launches: Launches):
+    """The gradients of a replayed training forward ``fwd``: ``launches(dout2d, l1_scale)``, which
+    reads the forward's graph's tokens and result, replayed from a graph of ``fwd`` and ``key``
+    (the host's choices), recorded now (after a warm-up run), or run eagerly."""
+    state = fwd.backward.get(key)
+    if state is None:
+        state = fwd.backward[key] = KeyState()
+        state.eager_calls = 1  # the forward's kernels are tuned; the warm-up compiles the rest
+    recorded = next((r for r in state.graphs if r.idle()), None)
+    if recorded is not None:
+        return recorded.replay(dout2d, l1_scale)
+    if state.failed or len(state.graphs) >= GRAPHS_PER_KEY:
+        return launches(dout2d, l1_scale)
+    recorded = _record(-1, state, (dout2d, l1_scale), launches, (), ())
+    return launches(dout2d, l1_scale) if recorded is None else handed(recorded.result)
+
+
+def _drop_stale(key: tuple) -> None:
+    """Drop the layer's keys, of the same mode (inference or training), for other weights (older
+    versions, other tensors, another prep) or another call record (telemetry was reset)."""
+    for old in [k for k in KEYS if k[:2] == key[:2] and k[3] == key[3] and k[-1] != key[-1]]:
+        _clear(KEYS.pop(old))
+
+
+def _clear(state: KeyState) -> None:
+    for recorded in state.graphs:
+        if recorded.source is not None:
+            TRAINING_FORWARDS.pop(recorded.result[0].packed.count.data_ptr(), None)
+    state.graphs.clear()
+
+
+def _evict(layer: tuple) -> None:
+    """Keep at most ``GRAPHS_PER_LAYER`` graphs in ``layer`` (layer, device) and ``GRAPHS_MAX`` in
+    all, dropping the least recently used keys' graphs first. A dropped graph's output, if still
+    held, stays valid: the tensor keeps its memory."""
+    in_layer = sum(len(s.graphs) for k, s in KEYS.items() if k[:2] == layer)
+    total = sum(len(s.graphs) for s in KEYS.values())
+    for k, state in list(KEYS.items()):
+        if in_layer <= GRAPHS_PER_LAYER and total <= GRAPHS_MAX:
+            return
+        if not state.graphs or (total <= GRAPHS_MAX and k[:2] != layer):
+            continue
+        if k[:2] == layer:
+            in_layer -= len(state.graphs)
+        total -= len(state.graphs)
+        _clear(state)
+
+
+def _record(layer: int, state: KeyState, values: tuple, launches: Launches, extra: tuple,
+            reads: tuple) -> Optional[RecordedCall]:
+    """Record a graph of ``launches(*static copies of values, *extra)`` (after a warm-up run
+    outside the capture, whose result is dropped and whose call record is a scratch one), replay it
+    for this call, and keep it; on failure warn once and return None (the caller runs eagerly)."""
+    global recordings
+    recordings += 1
+    device = values[0].device
+    current = torch.cuda.current_stream(device)
+    side = _side_streams.get(device.index or 0)
+    if side is None:
+        side = _side_streams[device.index or 0] = torch.cuda.Stream(device)
+    try:
+        inputs = tuple(torch.empty_like(v) for v in values)
+        for static, value in zip(inputs, values):
+            static.copy_(value)
+        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            launches(*inputs, *(_scratch(e) for e in extra))  # warm-up: compiles any specialization not seen yet
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                result = launches(*inputs, *extra)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        recorded = RecordedCall(graph, inputs, result, reads)
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        state.failed = True
+        if layer not in _warned:
+            _warned.add(layer)
+            where = f"layer {layer}" if layer >= 0 else "a backward"
+            warnings.warn(f"twell: {where}: its calls cannot be replayed from a CUDA graph ({exc}); they run "
+                          "eagerly (exact, with their host time)", RuntimeWarning, stacklevel=4)
+        current.wait_stream(side)
+        return None
+    state.graphs.append(recorded)
+    graph.replay()
+    return recorded
+
+
+def _scratch(record: CallRecord) -> CallRecord:
+    """A call record of the same flag in fresh buffers: the warm-up's, which no counter sees."""
+    device = record.values.device
+    return CallRecord(torch.zeros(5, dtype=torch.float64, device=device),
+                      torch.zeros(3, dtype=torch.int64, device=device), record.flag)
+
+
+def clear() -> None:
+    """Drop every recorded graph (tests; freeing their memory)."""
+    KEYS.clear()
+    TRAINING_FORWARDS.clear()

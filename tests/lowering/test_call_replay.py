@@ -1,0 +1,219 @@
+"""``call_replay``'s rules that need no GPU: which calls may be replayed, the switch, and the bounds
+on recorded graphs (the replays themselves: ``test_call_replay_gpu.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from unittest import mock
+
+import pytest
+import torch
+
+from twell_compile.lowering import call_replay, weight_cache
+
+
+def test_only_cuda_calls_outside_captures_and_up_to_the_work_limit_are_eligible(monkeypatch):
+    x = torch.zeros(8, 4)
+    assert not call_replay.eligible(x, 4, 1, capturing=False, keep=True), "CPU tensors"
+    cuda_like = torch.empty(8, 4, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert call_replay.eligible(cuda_like, 4, 1, capturing=False, keep=True)
+    assert not call_replay.eligible(cuda_like, 4, 1, capturing=True, keep=True)
+    assert not call_replay.eligible(cuda_like, 4, 1, capturing=False, keep=False)
+    monkeypatch.setattr(call_replay, "REPLAY_MAX_WORK", 8 * 4 * 4)
+    assert call_replay.eligible(cuda_like, 4, 1, capturing=False, keep=True)
+    big = torch.empty(9, 4, device="meta")
+    assert not call_replay.eligible(big, 4, 1, capturing=False, keep=True)
+    monkeypatch.setattr(weight_cache, "GATHERED_WEIGHT_LAYERS", {1})
+    assert not call_replay.eligible(cuda_like, 4, 1, capturing=False, keep=True)
+    monkeypatch.setattr(call_replay, "ENABLED", False)
+    assert not call_replay.eligible(cuda_like, 4, 2, capturing=False, keep=True)
+
+
+@pytest.mark.parametrize("value, ok", [("0", True), ("1", True), ("yes", False), ("", False)])
+def test_the_switch_takes_0_or_1_and_names_itself_otherwise(value, ok):
+    env = {**os.environ, "TWELL_CALL_REPLAY": value}
+    code = "import twell_compile.lowering.call_replay as c; print(c.ENABLED)"
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == str(value == "1")
+    else:
+        assert proc.returncode != 0 and "TWELL_CALL_REPLAY must be 0 or 1" in proc.stderr
+
+
+class _Graphs(call_replay.KeyState):
+    def __init__(self, n):
+        super().__init__()
+        self.graphs = [types.SimpleNamespace(source=None) for _ in range(n)]
+
+
+def test_eviction_keeps_the_layer_and_total_bounds_dropping_the_least_recently_used(monkeypatch):
+    monkeypatch.setattr(call_replay, "KEYS", type(call_replay.KEYS)())
+    monkeypatch.setattr(call_replay, "GRAPHS_PER_LAYER", 3)
+    monkeypatch.setattr(call_replay, "GRAPHS_MAX", 5)
+    keys = call_replay.KEYS
+    for i in range(4):
+        keys[(7, 0, True, (i,))] = _Graphs(1)
+    call_replay._evict((7, 0))
+    assert [len(s.graphs) for s in keys.values()] == [0, 1, 1, 1], "the oldest key of the layer lost its graph"
+    keys[(8, 0, True, (1,))] = _Graphs(2)
+    keys[(8, 0, True, (2,))] = _Graphs(1)
+    call_replay._evict((8, 0))
+    graphs = {k: len(s.graphs) for k, s in keys.items()}
+    assert sum(graphs.values()) <= 5
+    assert graphs[(8, 0, True, (2,))] == 1 and graphs[(8, 0, True, (1,))] == 2, "the newest keys keep theirs"
+    assert graphs[(7, 0, True, (1,))] == 0, "other layers' oldest graphs go first past the total"
+
+
+def test_a_new_weight_state_drops_the_layers_other_keys_of_its_mode_only(monkeypatch):
+    monkeypatch.setattr(call_replay, "KEYS", type(call_replay.KEYS)())
+    keys = call_replay.KEYS
+    # (layer, device, path, training, ..., reads)
+    keys[(7, 0, True, False, (8,), "old")] = _Graphs(1)
+    keys[(7, 0, False, False, (16,), "old")] = _Graphs(1)
+    keys[(7, 0, True, True, (8,), "training")] = _Graphs(1)
+    keys[(9, 0, True, False, (8,), "old")] = _Graphs(1)
+    call_replay._drop_stale((7, 0, True, False, (8,), "new"))
+    assert list(keys) == [(7, 0, True, True, (8,), "training"), (9, 0, True, False, (8,), "old")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The bookkeeping of replays, on the CPU: ``cuda_ffn`` runs its kernels in Triton's interpreter,
+# and a stand-in graph replays a recorded call by running its launches again on the graph's
+# inputs and writing the results into the recorded result's tensors, as a CUDA graph writes into
+# its fixed memory.
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_captured(launches, *args):
+    """``launches(*args)`` as a capture runs it: ``cuda_graphs.capturing()`` is true (nothing is
+    cached per weight)."""
+    from twell_compile.lowering import cuda_graphs
+
+    with mock.patch.object(cuda_graphs, "capturing", lambda: True):
+        return launches(*args)
+
+
+class _StandInGraph:
+    def __init__(self, run, result):
+        self.run, self.result = run, result
+
+    def replay(self):
+        for fixed, fresh in zip(call_replay.tensors_of(self.result), call_replay.tensors_of(self.run())):
+            fixed.copy_(fresh)
+
+
+def _stand_in_record(layer, state, values, launches, extra, reads):
+    inputs = tuple(v.clone() for v in values)
+    result = _as_captured(launches, *inputs, *extra)
+    recorded = call_replay.RecordedCall(_StandInGraph(lambda: _as_captured(launches, *inputs, *extra), result), inputs,
+                                        result, reads)
+    state.graphs.append(recorded)
+    return recorded
+
+
+class _Policy:
+    """Stands in for ``LayerPolicy`` (whose counters copy needs pinned CUDA memory)."""
+
+    calls = 0
+
+    def after(self, *_):
+        self.calls += 1
+
+    def refresh(self):
+        pass
+
+    def expects_dense_rows(self, tokens, rows):
+        return False
+
+
+@pytest.fixture
+def stand_in_replays(monkeypatch):
+    """Replays on the CPU through ``_StandInGraph``, for layers 8_800-8_899."""
+    from twell_compile.lowering import dispatch_policy
+
+    monkeypatch.setattr(call_replay, "KEYS", type(call_replay.KEYS)())
+    monkeypatch.setattr(call_replay, "TRAINING_FORWARDS", {})
+    monkeypatch.setattr(call_replay, "_record", _stand_in_record)
+    monkeypatch.setattr(call_replay, "eligible", lambda x2d, hidden, layer, capturing, keep: (
+        call_replay.ENABLED and 8_800 <= layer < 8_900 and not capturing and keep))
+    for layer in range(8_800, 8_900):
+        monkeypatch.setitem(dispatch_policy.POLICIES, (layer, 0), _Policy())
+    monkeypatch.setattr(dispatch_policy, "WARM", set())
+    return monkeypatch
+
+
+def _ffn(seed=0, m=12, d=16, h=40):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, d, generator=g)
+    wg, wu = torch.randn(h, d, generator=g) - 1.0, torch.randn(h, d, generator=g)  # mostly inactive gate
+    return x, wg, wu, torch.randn(d, h, generator=g)
+
+
+def _steps(layer, forwards, steps=4):
+    """``steps`` sparse training steps through ``cuda_ffn`` (``forwards`` forwards, then their
+    backwards in reverse order, then an SGD update): every step's outputs and gradients."""
+    from twell_compile.lowering import cuda_ffn, force_path
+
+    _, wg, wu, wd = _ffn()
+    log = []
+    with force_path("sparse"):
+        for step in range(steps):
+            xs = [_ffn(seed=10 * step + i + 1)[0] for i in range(forwards)]
+            results = [cuda_ffn.forward(x, wg, wu, wd, None, None, None, layer=layer, training=True)[0] for x in xs]
+            for x, res in reversed(list(zip(xs, results))):
+                dout = torch.randn(x.shape, generator=torch.Generator().manual_seed(step))
+                grads = cuda_ffn.backward(dout, x, wg, wu, wd, None, None, None, res.packed, res.up_val,
+                                          torch.tensor(0.01), layer=layer)
+                log.append([res.out.clone(), grads.dx.clone(), grads.dwg.clone(), grads.dwu.clone(), grads.dwd.clone()])
+                del grads
+            del results, res
+            for w, g in zip((wg, wu, wd), log[-1][2:]):
+                w.sub_(0.1 * g)
+    return log
+
+
+@pytest.mark.parametrize("forwards", [1, 2])
+def test_replayed_training_steps_pair_each_backward_with_its_forward(stand_in_replays, forwards):
+    replayed = _steps(8_810 + forwards, forwards)
+    keys = [(k, s) for k, s in call_replay.KEYS.items() if k[0] == 8_810 + forwards]
+    graphs = [g for _, s in keys for g in s.graphs]
+    assert len(graphs) == forwards, "a graph per forward held at once"
+    assert all(any(b.graphs for b in g.backward.values()) for g in graphs if g.source is not None)
+    stand_in_replays.setattr(call_replay, "ENABLED", False)
+    eager = _steps(8_850 + forwards, forwards)
+    for step, (got, want) in enumerate(zip(replayed, eager)):
+        for name, a, b in zip(("out", "dx", "dwg", "dwu", "dwd"), got, want):
+            assert torch.equal(a, b), f"backward {step}: {name}"
+
+
+def test_a_backward_whose_tokens_changed_runs_eagerly(stand_in_replays):
+    from twell_compile.lowering import cuda_ffn, force_path
+
+    x, wg, wu, wd = _ffn()
+    with force_path("sparse"):
+        for _ in range(3):
+            res = cuda_ffn.forward(x, wg, wu, wd, None, None, None, layer=8_820, training=True)[0]
+        assert call_replay.training_forward(res.packed.count, x) is not None
+        other = x.clone()
+        assert call_replay.training_forward(res.packed.count, other) is None, "other tokens: not this forward's"
+        x.add_(0.0)  # a new version
+        assert call_replay.training_forward(res.packed.count, x) is None
+
+
+def test_replayed_inference_calls_never_overwrite_held_outputs(stand_in_replays):
+    from twell_compile.lowering import cuda_ffn, force_path
+
+    _, wg, wu, wd = _ffn()
+    xs = [_ffn(seed=s)[0] for s in range(6)]
+    with torch.no_grad(), force_path("sparse"):
+        outs = [cuda_ffn.forward(x, wg, wu, wd, None, None, None, layer=8_830, training=False)[0].out for x in xs]
+        copies = [o.clone() for o in outs]
+        for x, o in zip(xs, outs):  # each call's output, recorded, replayed or eager, is still its own
+            want = cuda_ffn.forward(x, wg, wu, wd, None, None, None, layer=8_831, training=False)[0].out
+            assert torch.equal(o, want)
+        assert all(torch.equal(o, c) for o, c in zip(outs, copies))
