@@ -44,8 +44,9 @@ def _call(x, wg, wu, wd, layer):
     return torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, layer)
 
 
-def _eager(x, wg, wu, wd, layer, monkeypatch):
-    with monkeypatch.context() as m:
+def _eager(x, wg, wu, wd, layer, monkeypatch, path="sparse"):
+    """The call with replays off, on ``path``."""
+    with monkeypatch.context() as m, torch.no_grad(), force_path(path):
         m.setattr(call_replay, "ENABLED", False)
         return _call(x, wg, wu, wd, layer).clone()
 
@@ -63,7 +64,7 @@ def test_replayed_calls_are_bitwise_the_eager_calls(path, monkeypatch):
                 x[9, 1] = float("nan")
             out = _call(x, wg, wu, wd, layer)
             record = telemetry.buffer(layer, x.device).clone()
-            want = _eager(x, wg, wu, wd, layer + 50, monkeypatch)
+            want = _eager(x, wg, wu, wd, layer + 50, monkeypatch, path)
             want_record = telemetry.buffer(layer + 50, x.device).clone()
             assert torch.equal(out, want) or torch.equal(out.isnan(), want.isnan()) and torch.equal(
                 out.nan_to_num(), want.nan_to_num()), f"call {seed}"
@@ -73,7 +74,7 @@ def test_replayed_calls_are_bitwise_the_eager_calls(path, monkeypatch):
     (key, state), = _keys(layer)
     assert key[2] == (path == "sparse")
     assert len(state.graphs) == 1, "one graph: each output was dropped before the next call"
-    assert outs[1:] == [state.graphs[0].out.data_ptr()] * 4, "the first call is eager, every later one replayed"
+    assert outs[1:] == [state.graphs[0].result.data_ptr()] * 4, "the first call is eager, every later one replayed"
     assert telemetry.buffer(layer, "cuda")[0].item() == 5, "every call counted"
 
 
@@ -96,7 +97,7 @@ def test_an_output_still_held_is_never_overwritten(monkeypatch):
     del held, copies, h, c
     with torch.no_grad(), force_path("sparse"):
         out = _call(xs[2], wg, wu, wd, layer)
-    assert out.data_ptr() in {g.out.data_ptr() for g in state.graphs}, "a graph whose output was dropped replays"
+    assert out.data_ptr() in {g.result.data_ptr() for g in state.graphs}, "a graph whose output was dropped replays"
 
 
 def test_weights_changed_in_place_are_seen(monkeypatch):
