@@ -311,6 +311,21 @@ def _scratch(record: CallRecord) -> CallRecord:
                       torch.zeros(3, dtype=torch.int64, device=device), record.flag)
 
 
+class replays_off:  # noqa: N801 - a context manager, named like torch.no_grad
+    """``with replays_off():`` every call inside runs its launches eagerly (and records nothing);
+    the previous setting is back on exit. For measuring what an eager call allocates: a replayed
+    call allocates nothing, as its graph holds its buffers for good."""
+
+    def __enter__(self) -> "replays_off":
+        global ENABLED
+        self._before, ENABLED = ENABLED, False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global ENABLED
+        ENABLED = self._before
+
+
 def clear() -> None:
     """Drop every recorded graph (tests; freeing their memory)."""
     KEYS.clear()

@@ -33,6 +33,16 @@ def test_only_cuda_calls_outside_captures_and_up_to_the_work_limit_are_eligible(
     assert not call_replay.eligible(cuda_like, 4, 2, capturing=False, keep=True)
 
 
+def test_replays_off_is_scoped_and_restored_when_the_block_raises(monkeypatch):
+    monkeypatch.setattr(call_replay, "ENABLED", True)
+    with call_replay.replays_off():
+        assert not call_replay.ENABLED
+    assert call_replay.ENABLED
+    with pytest.raises(RuntimeError, match="boom"), call_replay.replays_off():
+        raise RuntimeError("boom")
+    assert call_replay.ENABLED
+
+
 @pytest.mark.parametrize("value, ok", [("0", True), ("1", True), ("yes", False), ("", False)])
 def test_the_switch_takes_0_or_1_and_names_itself_otherwise(value, ok):
     env = {**os.environ, "TWELL_CALL_REPLAY": value}
