@@ -26,10 +26,10 @@ time.
   on every replay, as any capture does, so every step replays the same graph on new weights.
   A weight with no version counter (made under ``torch.inference_mode``) is never replayed.
 * **Training**: a recorded forward's result (the TwELL buffers, the per-weight tensors) is what its
-  backward reads, together with the forward graph's copy of the tokens; the backward finds its
-  forward by the ``count`` buffer it receives and checks that its tokens are the ones that forward
-  last ran on (pointer and version), else it runs eagerly. Each forward graph has its own backward
-  graphs (per host choice of the weight-gradient variant).
+  backward reads, with its own tokens and output gradient copied in. The backward finds its forward
+  graph by the ``count`` buffer it receives: while the caller holds that buffer the forward graph
+  cannot replay, so its result is still the one the count came from. Each forward graph has its own
+  backward graphs (per host choice of the weight-gradient variant).
 * **Outputs**: a graph's result is handed to the caller, and that graph is replayed only once
   nothing outside holds any of its storages (their use counts, the check Inductor's cudagraph trees
   make). Until then a call of the same key records another graph, up to ``GRAPHS_PER_KEY``; past
@@ -100,7 +100,7 @@ class RecordedCall:
     """One CUDA graph of a call: the static inputs a call copies its values into, the result the
     graph writes (handed to the caller on each replay), and what it reads that must stay alive."""
 
-    __slots__ = ("graph", "inputs", "result", "storages", "reads", "source", "backward")
+    __slots__ = ("graph", "inputs", "result", "storages", "reads", "training", "backward")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple, result, reads: tuple) -> None:
         self.graph, self.inputs, self.result = graph, inputs, result
@@ -115,7 +115,7 @@ class RecordedCall:
             if t._base is not None:
                 impls.add(t._base._cdata)
         self.storages = [(storage, len(impls) + 1) for storage, impls in held.values()]
-        self.source: Optional[tuple] = None  # a training forward's input: (pointer, version)
+        self.training = False  # a training forward, found by its backward through TRAINING_FORWARDS
         self.backward: "OrderedDict[tuple, KeyState]" = OrderedDict()  # a training forward's backward graphs
 
     def idle(self) -> bool:
@@ -201,35 +201,40 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
         _evict(key[:2])
         result = handed(recorded.result)
     if training:
-        recorded.source = (x2d.data_ptr(), x2d._version)
+        recorded.training = True
         TRAINING_FORWARDS[result[0].packed.count.data_ptr()] = recorded
     return result
 
 
 def training_forward(count: torch.Tensor, x2d: torch.Tensor) -> Optional[RecordedCall]:
-    """The recorded training forward whose result holds ``count`` and that last ran on ``x2d``
-    (its pointer and version), or None: then the backward runs eagerly."""
+    """The recorded training forward whose result holds ``count`` (for tokens of ``x2d``'s shape
+    and dtype), or None: then the backward runs eagerly. Its result is the one this ``count``
+    came from: while the caller holds ``count`` that graph cannot replay again."""
     recorded = TRAINING_FORWARDS.get(count.data_ptr())
     if recorded is None or recorded.result[0].packed.count.shape != count.shape:
         return None
-    return recorded if recorded.source == (x2d.data_ptr(), x2d._version) else None
+    x_graph = recorded.inputs[0]
+    return recorded if (x_graph.shape, x_graph.dtype) == (x2d.shape, x2d.dtype) else None
 
 
-def backward(fwd: RecordedCall, key: tuple, dout2d: torch.Tensor, l1_scale: torch.Tensor, launches: Launches):
-    """The gradients of a replayed training forward ``fwd``: ``launches(dout2d, l1_scale)``, which
-    reads the forward's graph's tokens and result, replayed from a graph of ``fwd`` and ``key``
-    (the host's choices), recorded now (after a warm-up run), or run eagerly."""
+def backward(fwd: RecordedCall, key: tuple, dout2d: torch.Tensor, x2d: torch.Tensor, l1_scale: torch.Tensor,
+             launches: Launches):
+    """The gradients of a replayed training forward ``fwd``: ``launches(dout2d, x2d, l1_scale)``,
+    which reads the forward graph's result, replayed from a graph of ``fwd`` and ``key`` (the host's
+    choices), recorded now (after a warm-up run), or run eagerly. The tokens are the backward's
+    own (``x2d``, copied in): under ``torch.compile`` they may be recomputed rather than saved."""
     state = fwd.backward.get(key)
     if state is None:
         state = fwd.backward[key] = KeyState()
         state.eager_calls = 1  # the forward's kernels are tuned; the warm-up compiles the rest
+    values = (dout2d, x2d, l1_scale)
     recorded = next((r for r in state.graphs if r.idle()), None)
     if recorded is not None:
-        return recorded.replay(dout2d, l1_scale)
+        return recorded.replay(*values)
     if state.failed or len(state.graphs) >= GRAPHS_PER_KEY:
-        return launches(dout2d, l1_scale)
-    recorded = _record(-1, state, (dout2d, l1_scale), launches, (), ())
-    return launches(dout2d, l1_scale) if recorded is None else handed(recorded.result)
+        return launches(*values)
+    recorded = _record(-1, state, values, launches, (), ())
+    return launches(*values) if recorded is None else handed(recorded.result)
 
 
 def _drop_stale(key: tuple) -> None:
@@ -241,7 +246,7 @@ def _drop_stale(key: tuple) -> None:
 
 def _clear(state: KeyState) -> None:
     for recorded in state.graphs:
-        if recorded.source is not None:
+        if recorded.training:
             TRAINING_FORWARDS.pop(recorded.result[0].packed.count.data_ptr(), None)
     state.graphs.clear()
 

@@ -120,19 +120,19 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
     key = packed.count.data_ptr()
     forward_graph = None if cuda_graphs.capturing() else call_replay.training_forward(packed.count, x2d)
     if forward_graph is not None:
-        return _replayed_sparse_backward(forward_graph, dout2d, wg, wu, wd, bg, bu, bd, l1_scale, layer)
+        return _replayed_sparse_backward(forward_graph, dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale, layer)
     if DENSE_FORWARDS.get(key, False) or x2d.dtype == torch.float64:
         # The popped activations go straight in: no reference here outlives their last use there.
         return dense_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale, take_saved(key, dense=True))
     return sparse_backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed, up_val, l1_scale, layer=layer)
 
 
-def _replayed_sparse_backward(forward_graph, dout2d, wg, wu, wd, bg, bu, bd, l1_scale, layer) -> reference.Grads:
+def _replayed_sparse_backward(forward_graph, dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale, layer) -> reference.Grads:
     """The backward of a sparse training forward replayed from a graph, through ``call_replay``:
-    it reads that graph's tokens, TwELL buffers and per-weight prep."""
-    (res, prep), x_graph = forward_graph.result, forward_graph.inputs[0]
+    it reads that graph's TwELL buffers and per-weight prep."""
+    res, prep = forward_graph.result
     take_saved(res.packed.count.data_ptr(), dense=False)  # the hand-off of that prep: dropped, it is read here
-    gemm = dense_wgrad_gemm(layer, x_graph)
+    gemm = dense_wgrad_gemm(layer, x2d)
     key = (gemm, dout2d.dtype, l1_scale.dtype, *(None if w is None else w.data_ptr() for w in (wg, wu, wd, bg, bu, bd)))
-    return call_replay.backward(forward_graph, key, dout2d, l1_scale, lambda dout, scale: sparse_backward(
-        dout, x_graph, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, scale, layer=layer, prep=prep, gemm=gemm))
+    return call_replay.backward(forward_graph, key, dout2d, x2d, l1_scale, lambda dout, x, scale: sparse_backward(
+        dout, x, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, scale, layer=layer, prep=prep, gemm=gemm))

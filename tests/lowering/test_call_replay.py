@@ -58,7 +58,7 @@ def test_the_switch_takes_0_or_1_and_names_itself_otherwise(value, ok):
 class _Graphs(call_replay.KeyState):
     def __init__(self, n):
         super().__init__()
-        self.graphs = [types.SimpleNamespace(source=None) for _ in range(n)]
+        self.graphs = [types.SimpleNamespace(training=False) for _ in range(n)]
 
 
 def test_eviction_keeps_the_layer_and_total_bounds_dropping_the_least_recently_used(monkeypatch):
@@ -193,7 +193,7 @@ def test_replayed_training_steps_pair_each_backward_with_its_forward(stand_in_re
     keys = [(k, s) for k, s in call_replay.KEYS.items() if k[0] == 8_810 + forwards]
     graphs = [g for _, s in keys for g in s.graphs]
     assert len(graphs) == forwards, "a graph per forward held at once"
-    assert all(any(b.graphs for b in g.backward.values()) for g in graphs if g.source is not None)
+    assert all(any(b.graphs for b in g.backward.values()) for g in graphs if g.training)
     stand_in_replays.setattr(call_replay, "ENABLED", False)
     eager = _steps(8_850 + forwards, forwards)
     for step, (got, want) in enumerate(zip(replayed, eager)):
@@ -201,18 +201,26 @@ def test_replayed_training_steps_pair_each_backward_with_its_forward(stand_in_re
             assert torch.equal(a, b), f"backward {step}: {name}"
 
 
-def test_a_backward_whose_tokens_changed_runs_eagerly(stand_in_replays):
+def test_a_replayed_backward_reads_its_own_tokens(stand_in_replays):
+    """Under torch.compile the backward's tokens may be recomputed rather than saved: a replayed
+    backward copies in the tokens it is given, and its gradients are the eager backward's on them."""
     from twell_compile.lowering import cuda_ffn, force_path
 
     x, wg, wu, wd = _ffn()
-    with force_path("sparse"):
-        for _ in range(3):
-            res = cuda_ffn.forward(x, wg, wu, wd, None, None, None, layer=8_820, training=True)[0]
-        assert call_replay.training_forward(res.packed.count, x) is not None
-        other = x.clone()
-        assert call_replay.training_forward(res.packed.count, other) is None, "other tokens: not this forward's"
-        x.add_(0.0)  # a new version
-        assert call_replay.training_forward(res.packed.count, x) is None
+    dout = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    nudged = x + 0.25
+    grads = {}
+    for replay in (True, False):
+        stand_in_replays.setattr(call_replay, "ENABLED", replay)
+        layer = 8_820 if replay else 8_821
+        with force_path("sparse"):
+            for call in range(4):  # eager (L1 measured), eager, recorded, replayed
+                res = cuda_ffn.forward(x, wg, wu, wd, None, None, None, layer=layer, training=True)[0]
+                assert (call_replay.training_forward(res.packed.count, x) is not None) == (replay and call >= 2)
+                g = cuda_ffn.backward(dout, nudged, wg, wu, wd, None, None, None, res.packed, res.up_val,
+                                      torch.tensor(0.01), layer=layer)
+        grads[replay] = [t.clone() for t in (g.dx, g.dwg, g.dwu, g.dwd)]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
 
 
 def test_replayed_inference_calls_never_overwrite_held_outputs(stand_in_replays):
