@@ -36,9 +36,10 @@ time.
   that it runs eagerly. A caller that hands an output to another stream must ``record_stream`` it,
   as for any tensor of the caching allocator.
 * **Bounded**: at most ``GRAPHS_PER_LAYER`` forward graphs per layer and device and
-  ``GRAPHS_MAX`` in all, least recently used dropped first. Each holds its input copy, its result
-  and the call's intermediates in a memory pool of its own: graphs replay in any order, so their
-  pools cannot be shared.
+  ``GRAPHS_MAX`` in all, least recently used dropped first, and no new recording once the kept
+  graphs hold ``MEMORY_SHARE`` of the device's memory. Each holds its input copy, its result and
+  the call's intermediates in a memory pool of its own: graphs replay in any order, so their pools
+  cannot be shared.
 
 Each recording first runs the call once outside the capture, result dropped and counters
 written to a scratch record, so that a kernel specialization never seen compiles there and not
@@ -72,6 +73,10 @@ REPLAY_MAX_WORK = 1 << 37
 GRAPHS_PER_KEY = 2
 GRAPHS_PER_LAYER = 4
 GRAPHS_MAX = 128
+# Recorded graphs hold at most about this share of the device's memory (what the caching
+# allocator reserved while each was recorded); past it, calls with no graph yet run eagerly.
+# The 2B FFN training at 8192 tokens takes ~0.5-1 GB a layer (forward and backward graphs).
+MEMORY_SHARE = 0.1
 
 Launches = Callable[..., Any]
 
@@ -100,7 +105,7 @@ class RecordedCall:
     """One CUDA graph of a call: the static inputs a call copies its values into, the result the
     graph writes (handed to the caller on each replay), and what it reads that must stay alive."""
 
-    __slots__ = ("graph", "inputs", "result", "storages", "reads", "training", "backward")
+    __slots__ = ("graph", "inputs", "result", "storages", "reads", "training", "backward", "bytes")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple, result, reads: tuple) -> None:
         self.graph, self.inputs, self.result = graph, inputs, result
@@ -116,6 +121,7 @@ class RecordedCall:
                 impls.add(t._base._cdata)
         self.storages = [(storage, len(impls) + 1) for storage, impls in held.values()]
         self.training = False  # a training forward, found by its backward through TRAINING_FORWARDS
+        self.bytes = 0  # what the allocator reserved while it was recorded (``held_bytes``)
         self.backward: "OrderedDict[tuple, KeyState]" = OrderedDict()  # a training forward's backward graphs
 
     def idle(self) -> bool:
@@ -151,6 +157,18 @@ _warned: set = set()
 # How many graphs were recorded so far (``measure.first_launches`` counts them: a step that records
 # is slower than the replays after it)
 recordings = 0
+# Bytes the kept graphs reserved when recorded (``MEMORY_SHARE``)
+held_bytes = 0
+_device_bytes: dict[int, int] = {}
+
+
+def has_room(device: torch.device) -> bool:
+    """Whether the kept graphs hold less than ``MEMORY_SHARE`` of ``device``'s memory."""
+    index = device.index or 0
+    total = _device_bytes.get(index)
+    if total is None:
+        total = _device_bytes[index] = torch.cuda.get_device_properties(index).total_memory
+    return held_bytes < MEMORY_SHARE * total
 
 
 def eligible(x2d: torch.Tensor, hidden: int, layer: int, capturing: bool, keep: bool) -> bool:
@@ -191,7 +209,8 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
     recorded = next((r for r in state.graphs if r.idle()), None)
     if recorded is not None:
         result = recorded.replay(x2d)
-    elif state.failed or state.eager_calls == 0 or len(state.graphs) >= GRAPHS_PER_KEY:
+    elif (state.failed or state.eager_calls == 0 or len(state.graphs) >= GRAPHS_PER_KEY
+          or not has_room(x2d.device)):
         state.eager_calls += 1
         return launches(x2d, record)
     else:
@@ -231,7 +250,7 @@ def backward(fwd: RecordedCall, key: tuple, dout2d: torch.Tensor, x2d: torch.Ten
     recorded = next((r for r in state.graphs if r.idle()), None)
     if recorded is not None:
         return recorded.replay(*values)
-    if state.failed or len(state.graphs) >= GRAPHS_PER_KEY:
+    if state.failed or len(state.graphs) >= GRAPHS_PER_KEY or not has_room(x2d.device):
         return launches(*values)
     recorded = _record(-1, state, values, launches, (), ())
     return launches(*values) if recorded is None else handed(recorded.result)
@@ -245,9 +264,14 @@ def _drop_stale(key: tuple) -> None:
 
 
 def _clear(state: KeyState) -> None:
+    """Drop a key's graphs (and a training forward's backward graphs) and their held bytes."""
+    global held_bytes
     for recorded in state.graphs:
+        held_bytes -= recorded.bytes
         if recorded.training:
             TRAINING_FORWARDS.pop(recorded.result[0].packed.count.data_ptr(), None)
+        for backward_state in recorded.backward.values():
+            _clear(backward_state)
     state.graphs.clear()
 
 
@@ -273,9 +297,10 @@ def _record(layer: int, state: KeyState, values: tuple, launches: Launches, extr
     """Record a graph of ``launches(*static copies of values, *extra)`` (after a warm-up run
     outside the capture, whose result is dropped and whose call record is a scratch one), replay it
     for this call, and keep it; on failure warn once and return None (the caller runs eagerly)."""
-    global recordings
+    global recordings, held_bytes
     recordings += 1
     device = values[0].device
+    reserved = torch.cuda.memory_reserved(device)
     current = torch.cuda.current_stream(device)
     side = _side_streams.get(device.index or 0)
     if side is None:
@@ -304,6 +329,8 @@ def _record(layer: int, state: KeyState, values: tuple, launches: Launches, extr
                           "eagerly (exact, with their host time)", RuntimeWarning, stacklevel=4)
         current.wait_stream(side)
         return None
+    recorded.bytes = max(0, torch.cuda.memory_reserved(device) - reserved)
+    held_bytes += recorded.bytes
     state.graphs.append(recorded)
     graph.replay()
     return recorded
@@ -333,5 +360,7 @@ class replays_off:  # noqa: N801 - a context manager, named like torch.no_grad
 
 def clear() -> None:
     """Drop every recorded graph (tests; freeing their memory)."""
+    global held_bytes
     KEYS.clear()
     TRAINING_FORWARDS.clear()
+    held_bytes = 0

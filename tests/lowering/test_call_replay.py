@@ -58,7 +58,7 @@ def test_the_switch_takes_0_or_1_and_names_itself_otherwise(value, ok):
 class _Graphs(call_replay.KeyState):
     def __init__(self, n):
         super().__init__()
-        self.graphs = [types.SimpleNamespace(training=False) for _ in range(n)]
+        self.graphs = [types.SimpleNamespace(training=False, bytes=0, backward={}) for _ in range(n)]
 
 
 def test_eviction_keeps_the_layer_and_total_bounds_dropping_the_least_recently_used(monkeypatch):
@@ -77,6 +77,38 @@ def test_eviction_keeps_the_layer_and_total_bounds_dropping_the_least_recently_u
     assert sum(graphs.values()) <= 5
     assert graphs[(8, 0, True, (2,))] == 1 and graphs[(8, 0, True, (1,))] == 2, "the newest keys keep theirs"
     assert graphs[(7, 0, True, (1,))] == 0, "other layers' oldest graphs go first past the total"
+
+
+def test_no_recording_once_the_kept_graphs_hold_their_share_of_the_device(monkeypatch, stand_in_replays):
+    from twell_compile.lowering import cuda_ffn, force_path
+
+    monkeypatch.setattr(call_replay, "has_room", lambda device: call_replay.held_bytes < 100)
+    monkeypatch.setattr(call_replay, "held_bytes", 100)
+    x, wg, wu, wd = _ffn()
+    with torch.no_grad(), force_path("sparse"):
+        for _ in range(4):
+            cuda_ffn.forward(x, wg, wu, wd, None, None, None, layer=8_840, training=False)
+    (state,) = [s for k, s in call_replay.KEYS.items() if k[0] == 8_840]
+    assert state.eager_calls == 4 and not state.graphs
+
+
+def test_has_room_compares_the_held_bytes_with_the_devices_share(monkeypatch):
+    monkeypatch.setattr(call_replay, "_device_bytes", {0: 1000})
+    monkeypatch.setattr(call_replay, "held_bytes", int(1000 * call_replay.MEMORY_SHARE) - 1)
+    assert call_replay.has_room(torch.device("cuda", 0))
+    monkeypatch.setattr(call_replay, "held_bytes", int(1000 * call_replay.MEMORY_SHARE))
+    assert not call_replay.has_room(torch.device("cuda", 0))
+
+
+def test_clearing_a_key_returns_its_graphs_bytes_and_drops_their_backward_graphs(monkeypatch):
+    monkeypatch.setattr(call_replay, "TRAINING_FORWARDS", {})
+    backward = call_replay.KeyState()
+    backward.graphs = [types.SimpleNamespace(training=False, bytes=30, backward={})]
+    state = call_replay.KeyState()
+    state.graphs = [types.SimpleNamespace(training=False, bytes=70, backward={("gemm",): backward})]
+    monkeypatch.setattr(call_replay, "held_bytes", 100)
+    call_replay._clear(state)
+    assert call_replay.held_bytes == 0 and not state.graphs and not backward.graphs
 
 
 def test_a_new_weight_state_drops_the_layers_other_keys_of_its_mode_only(monkeypatch):
@@ -149,6 +181,7 @@ def stand_in_replays(monkeypatch):
     monkeypatch.setattr(call_replay, "KEYS", type(call_replay.KEYS)())
     monkeypatch.setattr(call_replay, "TRAINING_FORWARDS", {})
     monkeypatch.setattr(call_replay, "_record", _stand_in_record)
+    monkeypatch.setattr(call_replay, "has_room", lambda device: True)
     monkeypatch.setattr(call_replay, "eligible", lambda x2d, hidden, layer, capturing, keep: (
         call_replay.ENABLED and 8_800 <= layer < 8_900 and not capturing and keep))
     for layer in range(8_800, 8_900):
