@@ -11,7 +11,8 @@ one ``twell_compile`` uses:
   nothing is cached per weight;
 * ``force_path("sparse" | "dense")``: a context manager forcing the CUDA path of every call in it;
 * ``replays_off()``: a context manager in which no call is replayed from a CUDA graph
-  (``call_replay``), for the bench's measure of what a call allocates;
+  (``call_replay``), for the bench's measure of what a call allocates; ``replay_stats()``: the
+  graphs recorded so far, kept now, and the memory they reserved;
 * ``prefers_sparse`` and ``watch_counters``: a layer's measured preference, and its counters'
   copy for layers that ran compiled dense code (the backend's graph variants); ``first_launches``,
   which their step-time measurement checks so as not to time kernels compiling or tuning;
@@ -23,6 +24,7 @@ from twell_compile.kernels import DEFAULT_LAYOUT, TILE_N
 
 from . import telemetry
 from .call_replay import replays_off
+from .call_replay import stats as replay_stats
 from .cuda_graphs import mark_cuda_graph_layers
 from .dispatch_policy import force_path, prefers_sparse, watch_counters
 from .ffn import ffn
@@ -45,6 +47,7 @@ __all__ = [
     "mark_cuda_graph_layers",
     "mark_gathered_weight_layers",
     "prefers_sparse",
+    "replay_stats",
     "replays_off",
     "telemetry",
     "tuned_configs",

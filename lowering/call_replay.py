@@ -343,6 +343,12 @@ def _scratch(record: CallRecord) -> CallRecord:
                       torch.zeros(3, dtype=torch.int64, device=device), record.flag)
 
 
+def stats() -> tuple[int, int, int]:
+    """``(graphs recorded so far, graphs kept now, bytes they reserved when recorded)``."""
+    kept = sum(1 + sum(len(b.graphs) for b in r.backward.values()) for s in KEYS.values() for r in s.graphs)
+    return recordings, kept, held_bytes
+
+
 class replays_off:  # noqa: N801 - a context manager, named like torch.no_grad
     """``with replays_off():`` every call inside runs its launches eagerly (and records nothing);
     the previous setting is back on exit. For measuring what an eager call allocates: a replayed

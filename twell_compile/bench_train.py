@@ -486,6 +486,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def replay_line() -> str:
+    """How many CUDA graphs the TwELL ops recorded of their own calls in this run, how many are
+    kept at its end and the memory they reserved (docs/architecture.md, "Replayed calls")."""
+    from .lowering import replay_stats
+
+    recorded, kept, held = replay_stats()
+    return (f"replayed calls: {recorded} CUDA graphs recorded in this run, {kept} kept at its end, "
+            f"holding {held / 2**20:.0f} MB (reserved while recording)")
+
+
 def main(argv: Optional[list[str]] = None, host_line: Optional[Callable[[int, int], str]] = None) -> int:
     """``twell bench --train``; ``host_line(D, H)`` (``bench.host_line``, passed by ``twell bench``)
     adds the TwELL ops' host time at this model's FFN shape to the summary on a GPU."""
@@ -503,6 +513,7 @@ def main(argv: Optional[list[str]] = None, host_line: Optional[Callable[[int, in
              f"compile mode {cfg.compile_mode}")
     rows = run(cfg, on_rows=lambda rows: write_csv(rows, out / "train.csv"), progress=progress)
     print(summary(rows, cfg.variants[0]))
+    print(replay_line())
     if host_line is not None and cfg.device.startswith("cuda"):
         print(host_line(cfg.hidden, cfg.intermediate))
     write_csv(rows, out / "train.csv")

@@ -111,6 +111,17 @@ def test_clearing_a_key_returns_its_graphs_bytes_and_drops_their_backward_graphs
     assert call_replay.held_bytes == 0 and not state.graphs and not backward.graphs
 
 
+def test_stats_count_the_kept_forward_and_backward_graphs(monkeypatch):
+    monkeypatch.setattr(call_replay, "KEYS", type(call_replay.KEYS)())
+    monkeypatch.setattr(call_replay, "recordings", 5)
+    monkeypatch.setattr(call_replay, "held_bytes", 1234)
+    backward = _Graphs(1)
+    forward = _Graphs(2)
+    forward.graphs[0].backward = {("gemm",): backward}
+    call_replay.KEYS[(7, 0, True, True, (8,), "w")] = forward
+    assert call_replay.stats() == (5, 3, 1234)
+
+
 def test_a_new_weight_state_drops_the_layers_other_keys_of_its_mode_only(monkeypatch):
     monkeypatch.setattr(call_replay, "KEYS", type(call_replay.KEYS)())
     keys = call_replay.KEYS

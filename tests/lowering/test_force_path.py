@@ -72,7 +72,7 @@ def test_a_forced_call_takes_that_path_and_the_policy_is_back_afterwards(monkeyp
 
 def test_the_package_exports_what_twell_compile_uses():
     expected = {"DEFAULT_LAYOUT", "TILE_N", "active_pairs", "ffn", "ffn_bwd", "ffn_train", "force_path", "gather_floor",
-                "l1_snapshot", "mark_cuda_graph_layers", "mark_gathered_weight_layers", "prefers_sparse", "replays_off",
+                "l1_snapshot", "mark_cuda_graph_layers", "mark_gathered_weight_layers", "prefers_sparse", "replay_stats", "replays_off",
                 "telemetry",
                 "tuned_configs", "first_launches", "watch_counters"}
     assert set(lowering.__all__) == expected

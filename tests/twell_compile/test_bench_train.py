@@ -40,6 +40,7 @@ def test_bench_train_writes_a_row_per_variant_and_turn_and_a_plot(tmp_path, caps
     assert (tmp_path / "train.png").stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "speed vs inductor" in out and "silu-relu-gate" in out
+    assert "replayed calls: 0 CUDA graphs recorded in this run, 0 kept at its end, holding 0 MB" in out  # CPU: none
     turn = out[out.index("step 4:"):].splitlines()[1:len(variants) + 1]  # the last turn's lines, one per variant
     for r in rows[-len(variants):]:
         (line,) = [l for l in turn if l.split()[0] == r["variant"]]
