@@ -48,7 +48,10 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
     keep = layer not in cuda_graphs.CUDA_GRAPH_LAYERS
     replay = call_replay.eligible(x2d, wu.shape[0], layer, capturing, keep)
     if forced is None:
-        sparse = dispatch_policy.takes_sparse(policy, x2d.shape[0], signature, training, capturing, replay)
+        # With the graphs' memory share spent, a call with no graph yet would run its launches eagerly:
+        # then the eager token limit holds for every call.
+        cheap = replay and call_replay.has_room(x2d.device)
+        sparse = dispatch_policy.takes_sparse(policy, x2d.shape[0], signature, training, capturing, cheap)
     else:
         sparse = forced == "sparse"
     sparse = sparse and x2d.dtype != torch.float64
