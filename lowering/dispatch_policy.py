@@ -35,7 +35,7 @@ SPARSE_MAX_DENSITY = {"inference": 0.0105, "training": 0.0105}
 # D=2048, H=5632 undercuts below ~9.4k tokens (M=4096: sparse 1.40 ms, dense 0.44 ms).
 SPARSE_MIN_TOKENS = 12288
 # Inside a CUDA graph there is no host time to pay, so the sparse path beats dense from fewer
-# tokens: a capture (or an inference call replayed from a graph of its own, ``call_replay``)
+# tokens: a capture (or a call replayed from a graph of its own, ``call_replay``)
 # records it from SPARSE_MIN_TOKENS_CAPTURED tokens, below
 # SPARSE_MAX_DENSITY_FEW_TOKENS until SPARSE_FULL_TOKENS_CAPTURED tokens and below
 # SPARSE_MAX_DENSITY from there. H200, every provider captured, forced sparse against dense,
@@ -52,6 +52,16 @@ SPARSE_MAX_DENSE_ROWS = {"inference": 0.02, "training": 0.015}
 # Llama under mode="reduce-overhead" with 0.57% dense rows: every layer sparse ran 0.99x of
 # Inductor's graphs, 1.01x with this limit (which kept 36 of 38 layers dense).
 SPARSE_MAX_DENSE_ROWS_CAPTURED = 0.001
+
+
+def density_limit(training: bool, tokens: Optional[int] = None) -> float:
+    """The density under which the sparse path is taken: ``SPARSE_MAX_DENSITY``, lowered to
+    ``SPARSE_MAX_DENSITY_FEW_TOKENS`` for calls of fewer than ``SPARSE_FULL_TOKENS_CAPTURED``
+    tokens (only calls without host time to pay, captured or replayed, are that small)."""
+    limit = SPARSE_MAX_DENSITY["training" if training else "inference"]
+    if tokens is not None and tokens < SPARSE_FULL_TOKENS_CAPTURED:
+        limit = min(limit, SPARSE_MAX_DENSITY_FEW_TOKENS)
+    return limit
 
 
 class LayerPolicy:
@@ -85,13 +95,13 @@ class LayerPolicy:
         self.refresh()
         return self.measured and self.dense_row_fraction * tokens >= rows
 
-    def choose(self, training: bool, few_tokens: bool = False) -> bool:
+    def choose(self, training: bool, tokens: Optional[int] = None) -> bool:
         """Whether the last measured call's density and dense rows favour the sparse path (for a
-        call of ``few_tokens``, under ``SPARSE_FULL_TOKENS_CAPTURED``: a lower density limit)."""
+        call of ``tokens`` under ``SPARSE_FULL_TOKENS_CAPTURED``: a lower density limit)."""
         self.refresh()
         mode = "training" if training else "inference"
-        limit = min(SPARSE_MAX_DENSITY[mode], SPARSE_MAX_DENSITY_FEW_TOKENS) if few_tokens else SPARSE_MAX_DENSITY[mode]
-        return self.density < limit and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS[mode]
+        return (self.density < density_limit(training, tokens)
+                and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS[mode])
 
     def choose_captured(self, training: bool, tokens: int) -> bool:
         """The same for a call of ``tokens`` tokens that a CUDA graph records, which replays its
@@ -101,10 +111,7 @@ class LayerPolicy:
         self.refresh()
         if tokens < SPARSE_MIN_TOKENS_CAPTURED:
             return False
-        limit = SPARSE_MAX_DENSITY["training" if training else "inference"]
-        if tokens < SPARSE_FULL_TOKENS_CAPTURED:
-            limit = min(limit, SPARSE_MAX_DENSITY_FEW_TOKENS)
-        return self.density < limit and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS_CAPTURED
+        return self.density < density_limit(training, tokens) and self.dense_row_fraction < SPARSE_MAX_DENSE_ROWS_CAPTURED
 
     def settle(self) -> None:
         """Wait for the pending counters copy: a host sync, for CUDA-graph warm-ups only."""
@@ -171,7 +178,7 @@ def takes_sparse(policy: LayerPolicy, tokens: int, signature: tuple, training: b
     if tokens >= SPARSE_MIN_TOKENS:
         return policy.choose(training)
     if replayed and tokens >= SPARSE_MIN_TOKENS_CAPTURED:
-        return policy.choose(training, few_tokens=tokens < SPARSE_FULL_TOKENS_CAPTURED)
+        return policy.choose(training, tokens)
     if is_warm(signature):
         # Dense by its token count alone, but the layer's counters are still taken in: a later
         # capture, which cannot read them, must find its density measured.

@@ -279,3 +279,12 @@ def test_replayed_inference_calls_never_overwrite_held_outputs(stand_in_replays)
             want = cuda_ffn.forward(x, wg, wu, wd, None, None, None, layer=8_831, training=False)[0].out
             assert torch.equal(o, want)
         assert all(torch.equal(o, c) for o, c in zip(outs, copies))
+
+
+def test_replayed_calls_under_the_full_token_count_take_the_captured_density_limit():
+    from twell_compile.lowering import dispatch_policy as dp
+
+    few = dp.SPARSE_FULL_TOKENS_CAPTURED - 1
+    assert dp.density_limit(False, few) == min(dp.SPARSE_MAX_DENSITY["inference"], dp.SPARSE_MAX_DENSITY_FEW_TOKENS)
+    assert dp.density_limit(True, dp.SPARSE_FULL_TOKENS_CAPTURED) == dp.SPARSE_MAX_DENSITY["training"]
+    assert dp.density_limit(True) == dp.SPARSE_MAX_DENSITY["training"]
