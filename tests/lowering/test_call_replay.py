@@ -33,6 +33,15 @@ def test_only_cuda_calls_outside_captures_and_up_to_the_work_limit_are_eligible(
     assert not call_replay.eligible(cuda_like, 4, 2, capturing=False, keep=True)
 
 
+def test_every_call_under_the_eager_sparse_limit_at_the_2b_shape_may_be_replayed(monkeypatch):
+    # Otherwise calls between the two limits would be neither replayed nor sparse: dense by size.
+    from twell_compile.lowering import dispatch_policy
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    below = torch.empty(dispatch_policy.SPARSE_MIN_TOKENS - 1, 2048, device="meta")
+    assert call_replay.eligible(below, 5632, 1, capturing=False, keep=True)
+
+
 def test_replays_off_is_scoped_and_restored_when_the_block_raises(monkeypatch):
     monkeypatch.setattr(call_replay, "ENABLED", True)
     with call_replay.replays_off():
