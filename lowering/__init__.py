@@ -12,7 +12,8 @@ one ``twell_compile`` uses:
 * ``force_path("sparse" | "dense")``: a context manager forcing the CUDA path of every call in it;
 * ``replays_off()``: a context manager in which no call is replayed from a CUDA graph
   (``call_replay``), for the bench's measure of what a call allocates; ``replay_stats()``: the
-  graphs recorded so far, kept now, and the memory they reserved;
+  graphs recorded so far, kept now, the memory they reserved, and what happened to the calls that
+  could have been replayed (replayed, or eager and why; keys dropped or evicted);
 * ``prefers_sparse`` and ``watch_counters``: a layer's measured preference, and its counters'
   copy for layers that ran compiled dense code (the backend's graph variants); ``first_launches``,
   which their step-time measurement checks so as not to time kernels compiling or tuning;

@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import OrderedDict
-from typing import Any, Callable, Optional
+from collections import Counter, OrderedDict
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -161,6 +161,9 @@ _warned: set = set()
 recordings = 0
 # Bytes the kept graphs reserved when recorded (``MEMORY_SHARE``)
 held_bytes = 0
+# What happened to each eligible call, and to recorded graphs, by reason (``stats``): what a run
+# that replays less than expected is read from.
+OUTCOMES: Counter = Counter()
 _device_bytes: dict[int, int] = {}
 
 
@@ -196,6 +199,7 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
     else:
         reads = tuple(None if w is None else state_key(w) for w in weights)
         if any(r is None for r, w in zip(reads, weights) if w is not None):
+            OUTCOMES["forward eager: a weight without versions"] += 1
             return launches(x2d, record)
     # What the graph reads besides the tokens: the weights, the prep and the record's buffers (kept
     # alive by the graph, so their ids and pointers stay theirs).
@@ -210,9 +214,10 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
         KEYS.move_to_end(key)
     recorded = next((r for r in state.graphs if r.idle()), None)
     if recorded is not None:
+        OUTCOMES["forward replayed"] += 1
         result = recorded.replay(x2d)
-    elif (state.failed or state.eager_calls == 0 or len(state.graphs) >= GRAPHS_PER_KEY
-          or not has_room(x2d.device)):
+    elif (reason := _eager_reason(state, x2d.device)) is not None:
+        OUTCOMES[f"forward eager: {reason}"] += 1
         state.eager_calls += 1
         return launches(x2d, record)
     else:
@@ -251,17 +256,35 @@ def backward(fwd: RecordedCall, key: tuple, dout2d: torch.Tensor, x2d: torch.Ten
     values = (dout2d, x2d, l1_scale)
     recorded = next((r for r in state.graphs if r.idle()), None)
     if recorded is not None:
+        OUTCOMES["backward replayed"] += 1
         return recorded.replay(*values)
-    if state.failed or len(state.graphs) >= GRAPHS_PER_KEY or not has_room(x2d.device):
+    if (reason := _eager_reason(state, x2d.device)) is not None:
+        OUTCOMES[f"backward eager: {reason}"] += 1
         return launches(*values)
     recorded = _record(-1, state, values, launches, (), ())
     return launches(*values) if recorded is None else handed(recorded.result)
+
+
+def _eager_reason(state: KeyState, device: torch.device) -> Optional[str]:
+    """Why a call of ``state``'s key with no idle graph runs eagerly, or None: it records one."""
+    if state.failed:
+        return "its capture failed"
+    if state.eager_calls == 0:
+        return "first call of its key"
+    if len(state.graphs) >= GRAPHS_PER_KEY:
+        return "its graphs' results still held"
+    if not has_room(device):
+        return "memory share spent"
+    return None
 
 
 def _drop_stale(key: tuple) -> None:
     """Drop the layer's keys, of the same mode (inference or training), for other weights (older
     versions, other tensors, another prep) or another call record (telemetry was reset)."""
     for old in [k for k in KEYS if k[:2] == key[:2] and k[3] == key[3] and k[-1] != key[-1]]:
+        # A training key holds the weights' memory, not their versions: one dropped here means the
+        # weights the op was given moved (an autocast copy made anew, for instance).
+        OUTCOMES["training keys dropped: weights moved" if key[3] else "inference keys dropped: weights changed"] += 1
         _clear(KEYS.pop(old))
 
 
@@ -291,6 +314,7 @@ def _evict(layer: tuple) -> None:
         if k[:2] == layer:
             in_layer -= len(state.graphs)
         total -= len(state.graphs)
+        OUTCOMES["keys evicted by the graph bounds"] += 1
         _clear(state)
 
 
@@ -301,6 +325,7 @@ def _record(layer: int, state: KeyState, values: tuple, launches: Launches, extr
     for this call, and keep it; on failure warn once and return None (the caller runs eagerly)."""
     global recordings, held_bytes
     recordings += 1
+    direction = "forward" if layer >= 0 else "backward"
     device = values[0].device
     reserved = torch.cuda.memory_reserved(device)
     current = torch.cuda.current_stream(device)
@@ -324,6 +349,7 @@ def _record(layer: int, state: KeyState, values: tuple, launches: Launches, extr
         recorded = RecordedCall(graph, inputs, result, reads)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
         state.failed = True
+        OUTCOMES[f"{direction} captures failed"] += 1
         if layer not in _warned:
             _warned.add(layer)
             where = f"layer {layer}" if layer >= 0 else "a backward"
@@ -331,6 +357,7 @@ def _record(layer: int, state: KeyState, values: tuple, launches: Launches, extr
                           "eagerly (exact, with their host time)", RuntimeWarning, stacklevel=4)
         current.wait_stream(side)
         return None
+    OUTCOMES[f"{direction} recorded"] += 1
     recorded.bytes = max(0, torch.cuda.memory_reserved(device) - reserved)
     held_bytes += recorded.bytes
     state.graphs.append(recorded)
@@ -345,10 +372,17 @@ def _scratch(record: CallRecord) -> CallRecord:
                       torch.zeros(3, dtype=torch.int64, device=device), record.flag)
 
 
-def stats() -> tuple[int, int, int]:
-    """``(graphs recorded so far, graphs kept now, bytes they reserved when recorded)``."""
+class ReplayStats(NamedTuple):
+    recorded: int  # graphs recorded so far
+    kept: int  # graphs kept now
+    held_bytes: int  # what the kept graphs reserved when recorded
+    outcomes: dict  # calls and graphs by what happened to them (``OUTCOMES``)
+
+
+def stats() -> ReplayStats:
+    """The recorded graphs, and what happened to the calls that could have been replayed."""
     kept = sum(1 + sum(len(b.graphs) for b in r.backward.values()) for s in KEYS.values() for r in s.graphs)
-    return recordings, kept, held_bytes
+    return ReplayStats(recordings, kept, held_bytes, dict(OUTCOMES))
 
 
 class replays_off:  # noqa: N801 - a context manager, named like torch.no_grad
@@ -371,4 +405,5 @@ def clear() -> None:
     global held_bytes
     KEYS.clear()
     TRAINING_FORWARDS.clear()
+    OUTCOMES.clear()
     held_bytes = 0

@@ -491,9 +491,26 @@ def replay_line() -> str:
     kept at its end and the memory they reserved (docs/architecture.md, "Replayed calls")."""
     from .lowering import replay_stats
 
-    recorded, kept, held = replay_stats()
-    return (f"replayed calls: {recorded} CUDA graphs recorded in this run, {kept} kept at its end, "
+    recorded, kept, held, outcomes = replay_stats()
+    line = (f"replayed calls: {recorded} CUDA graphs recorded in this run, {kept} kept at its end, "
             f"holding {held / 2**20:.0f} MB (reserved while recording)")
+    return "; ".join([line, *outcome_parts(outcomes)])
+
+
+def outcome_parts(outcomes: dict) -> list[str]:
+    """``replay_stats``' outcomes in words: per direction, the calls replayed and the eager ones by
+    reason; then the keys dropped and evicted."""
+    parts = []
+    for direction in ("forward", "backward"):
+        eager = {k.split(": ", 1)[1]: n for k, n in outcomes.items() if k.startswith(f"{direction} eager: ")}
+        if not eager and f"{direction} replayed" not in outcomes:
+            continue
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(eager.items(), key=lambda kv: -kv[1]))
+        parts.append(f"{direction} calls: {outcomes.get(f'{direction} replayed', 0)} replayed, {sum(eager.values())} "
+                     f"eager" + (f" ({reasons})" if reasons else ""))
+    parts += [f"{name} {n}" for name, n in sorted(outcomes.items()) if "dropped" in name or "evicted" in name
+              or "failed" in name]
+    return parts
 
 
 def main(argv: Optional[list[str]] = None, host_line: Optional[Callable[[int, int], str]] = None) -> int:

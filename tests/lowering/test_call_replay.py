@@ -128,7 +128,8 @@ def test_stats_count_the_kept_forward_and_backward_graphs(monkeypatch):
     forward = _Graphs(2)
     forward.graphs[0].backward = {("gemm",): backward}
     call_replay.KEYS[(7, 0, True, True, (8,), "w")] = forward
-    assert call_replay.stats() == (5, 3, 1234)
+    monkeypatch.setattr(call_replay, "OUTCOMES", type(call_replay.OUTCOMES)(["forward replayed"] * 4))
+    assert call_replay.stats() == (5, 3, 1234, {"forward replayed": 4})
 
 
 def test_a_new_weight_state_drops_the_layers_other_keys_of_its_mode_only(monkeypatch):
@@ -200,6 +201,7 @@ def stand_in_replays(monkeypatch):
 
     monkeypatch.setattr(call_replay, "KEYS", type(call_replay.KEYS)())
     monkeypatch.setattr(call_replay, "TRAINING_FORWARDS", {})
+    monkeypatch.setattr(call_replay, "OUTCOMES", type(call_replay.OUTCOMES)())
     monkeypatch.setattr(call_replay, "_record", _stand_in_record)
     monkeypatch.setattr(call_replay, "has_room", lambda device: True)
     monkeypatch.setattr(call_replay, "eligible", lambda x2d, hidden, layer, capturing, keep: (
@@ -274,6 +276,25 @@ def test_a_replayed_backward_reads_its_own_tokens(stand_in_replays):
                                       torch.tensor(0.01), layer=layer)
         grads[replay] = [t.clone() for t in (g.dx, g.dwg, g.dwu, g.dwd)]
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
+def test_outcomes_say_why_calls_ran_eagerly_and_when_the_weights_moved(stand_in_replays):
+    from twell_compile.lowering import cuda_ffn, force_path
+
+    x, wg, wu, wd = _ffn()
+    with force_path("sparse"):
+        for call in range(5):
+            if call == 4:  # the same values in new memory, as an autocast copy made anew
+                wg, wu, wd = (w.clone() for w in (wg, wu, wd))
+            res = cuda_ffn.forward(x, wg, wu, wd, None, None, None, layer=8_860, training=True)[0]
+            cuda_ffn.backward(torch.ones_like(x), x, wg, wu, wd, None, None, None, res.packed, res.up_val,
+                              torch.tensor(0.01), layer=8_860)
+            del res  # a held result would make the next call record a graph of its own
+    outcomes = call_replay.stats().outcomes
+    # calls 0 (L1 measured) and 1: first calls of their keys; 2: recorded; 3: replayed; 4: new weights
+    assert outcomes["forward eager: first call of its key"] == 3
+    assert outcomes["forward replayed"] == 1 and outcomes["backward replayed"] == 1
+    assert outcomes["training keys dropped: weights moved"] == 2, "the keys with and without the L1 value"
 
 
 def test_replayed_inference_calls_never_overwrite_held_outputs(stand_in_replays):
