@@ -23,7 +23,9 @@ time.
   dtype), the layer's telemetry buffers and, for inference, the cached per-weight tensors
   (``WeightPrep``) and the weights' in-place versions, so that an optimizer step records anew and
   drops the layer's older inference graphs. A training graph makes its per-weight tensors itself
-  on every replay, as any capture does, so every step replays the same graph on new weights.
+  on every replay, as any capture does, so every step replays the same graph on new weights; a
+  training key for weights elsewhere in memory (autocast's copies, made anew each step) adds a key
+  and keeps the older ones, as the copies may come back to their earlier memory.
   A weight with no version counter (made under ``torch.inference_mode``) is never replayed.
 * **Training**: a recorded forward's result (the TwELL buffers, the per-weight tensors) is what its
   backward reads, with its own tokens and output gradient copied in. The backward finds its forward
@@ -73,7 +75,9 @@ ENABLED = _setting == "1"
 # D=768, H=2048.
 REPLAY_MAX_WORK = 12288 * 2048 * 5632
 GRAPHS_PER_KEY = 2
-GRAPHS_PER_LAYER = 4
+# Per layer: training graphs with and without the L1 value for two places of the weights, and an
+# inference graph or two.
+GRAPHS_PER_LAYER = 6
 GRAPHS_MAX = 128
 # Recorded graphs hold at most about this share of the device's memory (what the caching
 # allocator reserved while each was recorded); past it, calls with no graph yet run eagerly.
@@ -279,12 +283,18 @@ def _eager_reason(state: KeyState, device: torch.device) -> Optional[str]:
 
 
 def _drop_stale(key: tuple) -> None:
-    """Drop the layer's keys, of the same mode (inference or training), for other weights (older
-    versions, other tensors, another prep) or another call record (telemetry was reset)."""
-    for old in [k for k in KEYS if k[:2] == key[:2] and k[3] == key[3] and k[-1] != key[-1]]:
-        # A training key holds the weights' memory, not their versions: one dropped here means the
-        # weights the op was given moved (an autocast copy made anew, for instance).
-        OUTCOMES["training keys dropped: weights moved" if key[3] else "inference keys dropped: weights changed"] += 1
+    """For a new inference key: drop the layer's inference keys for other weights (older versions,
+    other tensors, another prep) or another call record (telemetry was reset), which will not come
+    back. A new training key keeps the others: it holds the weights' memory, not their versions, and
+    weights made anew each step (autocast's copies) may come back to earlier memory as the
+    allocator's state settles; the bounds (``_evict``) drop the least recently used."""
+    others = [k for k in KEYS if k[:2] == key[:2] and k[3] == key[3] and k[-1] != key[-1]]
+    if key[3]:
+        if others:
+            OUTCOMES["training keys added: weights moved"] += 1
+        return
+    for old in others:
+        OUTCOMES["inference keys dropped: weights changed"] += 1
         _clear(KEYS.pop(old))
 
 

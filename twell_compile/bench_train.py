@@ -499,7 +499,7 @@ def replay_line() -> str:
 
 def outcome_parts(outcomes: dict) -> list[str]:
     """``replay_stats``' outcomes in words: per direction, the calls replayed and the eager ones by
-    reason; then the keys dropped and evicted."""
+    reason; then the keys added, dropped and evicted, and the failed captures."""
     parts = []
     for direction in ("forward", "backward"):
         eager = {k.split(": ", 1)[1]: n for k, n in outcomes.items() if k.startswith(f"{direction} eager: ")}
@@ -508,8 +508,7 @@ def outcome_parts(outcomes: dict) -> list[str]:
         reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(eager.items(), key=lambda kv: -kv[1]))
         parts.append(f"{direction} calls: {outcomes.get(f'{direction} replayed', 0)} replayed, {sum(eager.values())} "
                      f"eager" + (f" ({reasons})" if reasons else ""))
-    parts += [f"{name} {n}" for name, n in sorted(outcomes.items()) if "dropped" in name or "evicted" in name
-              or "failed" in name]
+    parts += [f"{name} {n}" for name, n in sorted(outcomes.items()) if "keys" in name or "failed" in name]
     return parts
 
 
