@@ -25,7 +25,8 @@ time.
   drops the layer's older inference graphs. A training graph makes its per-weight tensors itself
   on every replay, as any capture does, so every step replays the same graph on new weights; a
   training key for weights elsewhere in memory (autocast's copies, made anew each step) adds a key
-  and keeps the older ones, as the copies may come back to their earlier memory.
+  and keeps the older ones while the graphs have memory left, as the copies may come back to their
+  earlier memory.
   A weight with no version counter (made under ``torch.inference_mode``) is never replayed.
 * **Training**: a recorded forward's result (the TwELL buffers, the per-weight tensors) is what its
   backward reads, with its own tokens and output gradient copied in. The backward finds its forward
@@ -285,16 +286,17 @@ def _eager_reason(state: KeyState, device: torch.device) -> Optional[str]:
 def _drop_stale(key: tuple) -> None:
     """For a new inference key: drop the layer's inference keys for other weights (older versions,
     other tensors, another prep) or another call record (telemetry was reset), which will not come
-    back. A new training key keeps the others: it holds the weights' memory, not their versions, and
-    weights made anew each step (autocast's copies) may come back to earlier memory as the
-    allocator's state settles; the bounds (``_evict``) drop the least recently used."""
+    back. A new training key keeps the others while the graphs have memory left: it holds the
+    weights' memory, not their versions, and weights made anew each step (autocast's copies) may
+    come back to earlier memory as the allocator's state settles; the bounds (``_evict``) drop the
+    least recently used. With the memory share spent it drops them, so the new key can record."""
     others = [k for k in KEYS if k[:2] == key[:2] and k[3] == key[3] and k[-1] != key[-1]]
-    if key[3]:
-        if others:
-            OUTCOMES["training keys added: weights moved"] += 1
+    if key[3] and others and has_room(torch.device("cuda", key[1])):
+        OUTCOMES["training keys added: weights moved"] += 1
         return
     for old in others:
-        OUTCOMES["inference keys dropped: weights changed"] += 1
+        OUTCOMES["training keys dropped: weights moved, memory share spent" if key[3]
+                 else "inference keys dropped: weights changed"] += 1
         _clear(KEYS.pop(old))
 
 

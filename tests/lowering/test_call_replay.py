@@ -143,9 +143,14 @@ def test_a_new_weight_state_drops_the_layers_other_inference_keys_only(monkeypat
     keys[(9, 0, True, False, (8,), "old")] = _Graphs(1)
     call_replay._drop_stale((7, 0, True, False, (8,), "new"))
     assert list(keys) == [(7, 0, True, True, (8,), "training"), (9, 0, True, False, (8,), "old")]
+    monkeypatch.setattr(call_replay, "has_room", lambda device: True)
     call_replay._drop_stale((7, 0, True, True, (8,), "moved"))
     assert (7, 0, True, True, (8,), "training") in keys, "training keys stay for weights that may come back"
-    assert call_replay.OUTCOMES["training keys added: weights moved"] >= 1
+    assert call_replay.OUTCOMES["training keys added: weights moved"] == 1
+    monkeypatch.setattr(call_replay, "has_room", lambda device: False)
+    call_replay._drop_stale((7, 0, True, True, (8,), "moved again"))
+    assert (7, 0, True, True, (8,), "training") not in keys, "with the memory share spent they go"
+    assert call_replay.OUTCOMES["training keys dropped: weights moved, memory share spent"] == 1
 
 
 # ---------------------------------------------------------------------------------------------
