@@ -7,7 +7,8 @@
 * Weights changed in place (an optimizer step) are seen: the layer records anew and drops its
   graphs of the old weights.
 * Sparse training steps replayed (forward and backward) are bitwise the eager steps, across
-  weight updates, with one or two forwards held before a backward.
+  weight updates, with one or two forwards held before a backward, and with weights cast anew at
+  every step (autocast's copies, which move in memory), which still replay.
 * Calls above ``REPLAY_MAX_WORK`` tokens × D × H and calls inside a capture are never replayed; the
   graphs per layer stay bounded.
 """
@@ -172,6 +173,42 @@ def test_replayed_training_steps_are_bitwise_the_eager_steps(monkeypatch, forwar
     assert len(graphs) == forwards, "one graph per forward held at once"
     assert all(any(b.graphs for b in g.backward.values()) for g in graphs), "and their backwards"
     assert not _keys(layer + 50)
+
+
+def _autocast_like_steps(monkeypatch, layer, *, replay, steps=8):
+    """Training steps on float32 weights cast to bf16 at every step, as autocast does, with the
+    last step's casts still alive during each forward, so that the casts move in memory."""
+    x0, wg0, wu0, wd0 = _problem()
+    log = []
+    with monkeypatch.context() as m:
+        m.setattr(call_replay, "ENABLED", replay)
+        params = [t.float().requires_grad_() for t in (wg0, wu0, wd0)]
+        coeff = torch.tensor(2e-4, device="cuda")
+        held = None
+        with force_path("sparse"):
+            for step in range(steps):
+                casts = [p.to(torch.bfloat16) for p in params]
+                out = torch.ops.twell.ffn_train(x0, *casts, None, None, None, coeff, torch.ones_like(coeff), layer)[0]
+                held = casts  # the previous step's casts are freed only now
+                out.backward(torch.ones_like(out))
+                log.append([out.detach().clone()] + [p.grad.clone() for p in params])
+                with torch.no_grad():
+                    for p in params:
+                        p.sub_(0.05 * p.grad)
+                        p.grad = None
+                del out
+    del held
+    return log
+
+
+def test_weights_cast_anew_every_step_still_replay(monkeypatch):
+    replayed = _autocast_like_steps(monkeypatch, 9_420, replay=True)
+    outcomes = call_replay.stats().outcomes
+    eager = _autocast_like_steps(monkeypatch, 9_470, replay=False)
+    for step, (got, want) in enumerate(zip(replayed, eager)):
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"step {step}, tensor {i}"
+    assert outcomes.get("forward replayed", 0) > 0 and outcomes.get("backward replayed", 0) > 0, outcomes
 
 
 def test_graphs_per_layer_stay_bounded():
