@@ -242,10 +242,13 @@ def training_forward(count: torch.Tensor, x2d: torch.Tensor) -> Optional[Recorde
     and dtype), or None: then the backward runs eagerly. Its result is the one this ``count``
     came from: while the caller holds ``count`` that graph cannot replay again."""
     recorded = TRAINING_FORWARDS.get(count.data_ptr())
-    if recorded is None or recorded.result[0].packed.count.shape != count.shape:
-        return None
-    x_graph = recorded.inputs[0]
-    return recorded if (x_graph.shape, x_graph.dtype) == (x2d.shape, x2d.dtype) else None
+    if recorded is not None and recorded.result[0].packed.count.shape == count.shape:
+        x_graph = recorded.inputs[0]
+        if (x_graph.shape, x_graph.dtype) == (x2d.shape, x2d.dtype):
+            return recorded
+    if ENABLED:
+        OUTCOMES["backward eager: its forward was not replayed (eager, dense or another shape)"] += 1
+    return None
 
 
 def backward(fwd: RecordedCall, key: tuple, dout2d: torch.Tensor, x2d: torch.Tensor, l1_scale: torch.Tensor,
