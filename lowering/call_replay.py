@@ -232,6 +232,9 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
         _evict(key[:2])
         result = handed(recorded.result)
     if training:
+        # Each should meet its backward here (``backward``'s outcomes): fewer backwards mean some
+        # did not find their forward graph.
+        OUTCOMES["training forwards from graphs"] += 1
         recorded.training = True
         TRAINING_FORWARDS[result[0].packed.count.data_ptr()] = recorded
     return result
@@ -246,8 +249,6 @@ def training_forward(count: torch.Tensor, x2d: torch.Tensor) -> Optional[Recorde
         x_graph = recorded.inputs[0]
         if (x_graph.shape, x_graph.dtype) == (x2d.shape, x2d.dtype):
             return recorded
-    if ENABLED:
-        OUTCOMES["backward eager: its forward was not replayed (eager, dense or another shape)"] += 1
     return None
 
 
