@@ -23,11 +23,14 @@ time.
   dtype), the layer's telemetry buffers and, for inference, the cached per-weight tensors
   (``WeightPrep``) and the weights' in-place versions, so that an optimizer step records anew and
   drops the layer's older inference graphs. A training graph makes its per-weight tensors itself
-  on every replay, as any capture does, so every step replays the same graph on new weights; a
-  training key for weights elsewhere in memory (autocast's copies, made anew each step) adds a key
-  and keeps the older ones while the graphs have memory left, as the copies may come back to their
-  earlier memory.
+  on every replay, as any capture does, so every step replays the same graph on new weights.
   A weight with no version counter (made under ``torch.inference_mode``) is never replayed.
+* **Weights copied in**: once a layer's training call finds its weights elsewhere in memory than a
+  kept training key's (autocast's copies are made anew every step, wherever the allocator puts
+  them), that layer's training graphs read copies of the weights of their own, which each replay
+  copies in, and their keys hold the weights' shape and dtype only: a read and a write of the
+  weights per replay, about what autocast's cast itself costs, instead of a new key (an eager call)
+  per step.
 * **Training**: a recorded forward's result (the TwELL buffers, the per-weight tensors) is what its
   backward reads, with its own tokens and output gradient copied in. The backward finds its forward
   graph by the ``count`` buffer it receives: while the caller holds that buffer the forward graph
@@ -76,7 +79,7 @@ ENABLED = _setting == "1"
 # D=768, H=2048.
 REPLAY_MAX_WORK = 12288 * 2048 * 5632
 GRAPHS_PER_KEY = 2
-# Per layer: training graphs with and without the L1 value for two places of the weights, and an
+# Per layer: training graphs with and without the L1 value for two forwards held at once, and an
 # inference graph or two.
 GRAPHS_PER_LAYER = 6
 GRAPHS_MAX = 128
@@ -112,7 +115,7 @@ class RecordedCall:
     """One CUDA graph of a call: the static inputs a call copies its values into, the result the
     graph writes (handed to the caller on each replay), and what it reads that must stay alive."""
 
-    __slots__ = ("graph", "inputs", "result", "storages", "reads", "training", "backward", "bytes")
+    __slots__ = ("graph", "inputs", "result", "storages", "reads", "training", "weights", "backward", "bytes")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: tuple, result, reads: tuple) -> None:
         self.graph, self.inputs, self.result = graph, inputs, result
@@ -128,6 +131,7 @@ class RecordedCall:
                 impls.add(t._base._cdata)
         self.storages = [(storage, len(impls) + 1) for storage, impls in held.values()]
         self.training = False  # a training forward, found by its backward through TRAINING_FORWARDS
+        self.weights: Optional[tuple] = None  # a training forward's own copies of the weights, if it reads them
         self.bytes = 0  # what the allocator reserved while it was recorded (``held_bytes``)
         self.backward: "OrderedDict[tuple, KeyState]" = OrderedDict()  # a training forward's backward graphs
 
@@ -157,6 +161,8 @@ class KeyState:
 # (layer, device index, path, training, L1 measured, shape, dtype, inference mode, reads) ->
 # KeyState, least recently used first
 KEYS: "OrderedDict[tuple, KeyState]" = OrderedDict()
+# (layer, device index) whose training graphs copy the weights in (their weights moved)
+COPIED_WEIGHTS: set = set()
 # count pointer -> the recorded training forward whose result holds that count
 TRAINING_FORWARDS: "dict[int, RecordedCall]" = {}
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -191,45 +197,66 @@ def eligible(x2d: torch.Tensor, hidden: int, layer: int, capturing: bool, keep: 
 
 def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.Tensor, weights: tuple,
             record: CallRecord, launches: Launches, prep: Optional[tuple] = None):
-    """``launches(x2d, record)``'s result: replayed from a graph of the call's key, recorded now,
-    or run eagerly. ``weights``: ``(wg, wu, wd, bg, bu, bd)``, None for absent ones.
+    """``launches(x2d, record, weights)``'s result: replayed from a graph of the call's key,
+    recorded now, or run eagerly. ``weights``: ``(wg, wu, wd, bg, bu, bd)``, None for absent ones;
+    a graph that copies the weights in passes its own copies.
 
     Inference: ``prep`` is the cached per-weight tensors the launches read (``WeightPrep.get``),
     and the weights' in-place versions are in the key, so a changed weight (a new prep) records
     anew. Training: the launches make their own prep, as under any capture, so the key holds the
-    weights' memory (pointer, shape, dtype) and not their versions, which every optimizer step
-    bumps; the replays read the weights' current values."""
+    weights' memory (pointer, shape, dtype), or only their shape and dtype where the layer's
+    graphs copy them in, and not their versions, which every optimizer step bumps; the replays
+    read the weights' current values."""
+    where = (layer, x2d.device.index or 0)
     if training:
-        reads = tuple(None if w is None else (w.data_ptr(), tuple(w.shape), w.dtype) for w in weights)
+        key = _training_key(where, sparse, want_l1, x2d, weights, record)
+        if key not in KEYS and where not in COPIED_WEIGHTS and _weights_moved(key):
+            _copy_weights_in(where)
+            key = _training_key(where, sparse, want_l1, x2d, weights, record)
     else:
         reads = tuple(None if w is None else state_key(w) for w in weights)
         if any(r is None for r, w in zip(reads, weights) if w is not None):
             OUTCOMES["forward eager: a weight without versions"] += 1
-            return launches(x2d, record)
-    # What the graph reads besides the tokens: the weights, the prep and the record's buffers (kept
-    # alive by the graph, so their ids and pointers stay theirs).
-    reads = (reads, id(prep), record.values.data_ptr(), record.scratch.data_ptr())
-    key = (layer, x2d.device.index or 0, sparse, training, want_l1, tuple(x2d.shape), x2d.dtype,
-           torch.is_inference_mode_enabled(), reads)
+            return launches(x2d, record, weights)
+        # What the graph reads besides the tokens: the weights, the prep and the record's buffers (kept
+        # alive by the graph, so their ids and pointers stay theirs).
+        key = (*where, sparse, False, want_l1, tuple(x2d.shape), x2d.dtype, torch.is_inference_mode_enabled(),
+               (reads, id(prep), record.values.data_ptr(), record.scratch.data_ptr()))
+    copied = training and where in COPIED_WEIGHTS
+    present = [i for i, w in enumerate(weights) if w is not None] if copied else []
+    values = (x2d, *(weights[i] for i in present))
+
+    def run(x, *rest):  # the launches on the graph's tokens and, if copied in, weights
+        own = list(weights)
+        for i, w in zip(present, rest):
+            own[i] = w
+        return launches(x, rest[-1], tuple(own))
+
     state = KEYS.get(key)
     if state is None:
-        _drop_stale(key)
+        if not training:
+            _drop_stale(key)
         state = KEYS[key] = KeyState()
     else:
         KEYS.move_to_end(key)
     recorded = next((r for r in state.graphs if r.idle()), None)
     if recorded is not None:
         OUTCOMES["forward replayed"] += 1
-        result = recorded.replay(x2d)
+        result = recorded.replay(*values)
     elif (reason := _eager_reason(state, x2d.device)) is not None:
         OUTCOMES[f"forward eager: {reason}"] += 1
         state.eager_calls += 1
-        return launches(x2d, record)
+        return launches(x2d, record, weights)
     else:
-        recorded = _record(layer, state, (x2d,), launches, (record,), (prep, record))
+        recorded = _record(layer, state, values, run, (record,), (prep, record))
         if recorded is None:
-            return launches(x2d, record)
-        _evict(key[:2])
+            return launches(x2d, record, weights)
+        if copied:
+            own = list(weights)
+            for i, w in zip(present, recorded.inputs[1:]):
+                own[i] = w
+            recorded.weights = tuple(own)
+        _evict(where)
         result = handed(recorded.result)
     if training:
         # Each should meet its backward here (``backward``'s outcomes): fewer backwards mean some
@@ -238,6 +265,32 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
         recorded.training = True
         TRAINING_FORWARDS[result[0].packed.count.data_ptr()] = recorded
     return result
+
+
+def _training_key(where: tuple, sparse: bool, want_l1: bool, x2d: torch.Tensor, weights: tuple,
+                  record: CallRecord) -> tuple:
+    """A training call's key: the weights' memory, shape and dtype (memory left out where the
+    layer's graphs copy them in) and the record's buffers."""
+    copied = where in COPIED_WEIGHTS
+    reads = tuple(None if w is None else (None if copied else w.data_ptr(), tuple(w.shape), w.dtype) for w in weights)
+    return (*where, sparse, True, want_l1, tuple(x2d.shape), x2d.dtype, torch.is_inference_mode_enabled(),
+            (reads, None, record.values.data_ptr(), record.scratch.data_ptr()))
+
+
+def _weights_moved(key: tuple) -> bool:
+    """Whether the layer keeps a training key for the same weights' shapes elsewhere in memory."""
+    shapes = [r if r is None else r[1:] for r in key[-1][0]]
+    return any(k[:2] == key[:2] and k[3] and k[-1][0] != key[-1][0] and [r if r is None else r[1:] for r in k[-1][0]]
+               == shapes for k in KEYS)
+
+
+def _copy_weights_in(where: tuple) -> None:
+    """From now on ``where``'s training graphs copy the weights in: its training keys for weights
+    at fixed memory go, with their graphs."""
+    COPIED_WEIGHTS.add(where)
+    OUTCOMES["layers whose training graphs copy the weights in"] += 1
+    for k in [k for k in KEYS if k[:2] == where and k[3]]:
+        _clear(KEYS.pop(k))
 
 
 def training_forward(count: torch.Tensor, x2d: torch.Tensor) -> Optional[RecordedCall]:
@@ -290,17 +343,9 @@ def _eager_reason(state: KeyState, device: torch.device) -> Optional[str]:
 def _drop_stale(key: tuple) -> None:
     """For a new inference key: drop the layer's inference keys for other weights (older versions,
     other tensors, another prep) or another call record (telemetry was reset), which will not come
-    back. A new training key keeps the others while the graphs have memory left: it holds the
-    weights' memory, not their versions, and weights made anew each step (autocast's copies) may
-    come back to earlier memory as the allocator's state settles; the bounds (``_evict``) drop the
-    least recently used. With the memory share spent it drops them, so the new key can record."""
-    others = [k for k in KEYS if k[:2] == key[:2] and k[3] == key[3] and k[-1] != key[-1]]
-    if key[3] and others and has_room(torch.device("cuda", key[1])):
-        OUTCOMES["training keys added: weights moved"] += 1
-        return
-    for old in others:
-        OUTCOMES["training keys dropped: weights moved, memory share spent" if key[3]
-                 else "inference keys dropped: weights changed"] += 1
+    back."""
+    for old in [k for k in KEYS if k[:2] == key[:2] and not k[3] and k[-1] != key[-1]]:
+        OUTCOMES["inference keys dropped: weights changed"] += 1
         _clear(KEYS.pop(old))
 
 
@@ -421,5 +466,6 @@ def clear() -> None:
     global held_bytes
     KEYS.clear()
     TRAINING_FORWARDS.clear()
+    COPIED_WEIGHTS.clear()
     OUTCOMES.clear()
     held_bytes = 0

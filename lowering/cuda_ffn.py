@@ -70,8 +70,8 @@ def forward(x2d, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool):
         else:
             dispatch_policy.WARM.add(("forward", *signature))
     elif replay and not training:  # a dense training forward keeps [M, H] activations: not replayed
-        out = call_replay.forward(layer, False, False, False, x2d, weights, record, lambda x, rec: dense_forward(
-            x, wg, wu, wd, bg, bu, bd, False, False, rec)[0].out)
+        out = call_replay.forward(layer, False, False, False, x2d, weights, record, lambda x, rec, ws: dense_forward(
+            x, *ws, False, False, rec)[0].out)
         res = reference.ForwardResult(out, None, None, None, None)
     else:
         res, saved = dense_forward(x2d, wg, wu, wd, bg, bu, bd, training, want_l1, record)
@@ -92,13 +92,13 @@ def _replayed_sparse_forward(x2d, weights: tuple, layer: int, training: bool, wa
     its backward then reads, handed off as a capture's is."""
     if not training:
         prep = WeightPrep.get(*weights, keep=keep, layer=layer)
-        out = call_replay.forward(layer, True, False, False, x2d, weights, record, lambda x, rec: sparse_forward(
-            x, *weights, False, False, rec, prep=prep).out, prep)
+        out = call_replay.forward(layer, True, False, False, x2d, weights, record, lambda x, rec, ws: sparse_forward(
+            x, *ws, False, False, rec, prep=prep).out, prep)
         return reference.ForwardResult(out, None, None, None, None), None
 
-    def launches(x, rec):
-        prep = WeightPrep.get(*weights, keep=keep, layer=layer)  # made in the graph: not cached under capture
-        return sparse_forward(x, *weights, True, want_l1, rec, keep=keep, prep=prep), prep
+    def launches(x, rec, ws):
+        prep = WeightPrep.get(*ws, keep=keep, layer=layer)  # made in the graph: not cached under capture
+        return sparse_forward(x, *ws, True, want_l1, rec, keep=keep, prep=prep), prep
 
     return call_replay.forward(layer, True, True, want_l1, x2d, weights, record, launches)
 
@@ -132,10 +132,13 @@ def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l
 
 def _replayed_sparse_backward(forward_graph, dout2d, x2d, wg, wu, wd, bg, bu, bd, l1_scale, layer) -> reference.Grads:
     """The backward of a sparse training forward replayed from a graph, through ``call_replay``:
-    it reads that graph's TwELL buffers and per-weight prep."""
+    it reads that graph's TwELL buffers and per-weight prep, and its copies of the weights where it
+    copies them in (the values the forward copied from these weights)."""
     res, prep = forward_graph.result
     take_saved(res.packed.count.data_ptr(), dense=False)  # the hand-off of that prep: dropped, it is read here
     gemm = dense_wgrad_gemm(layer, x2d)
+    if forward_graph.weights is not None:
+        wg, wu, wd, bg, bu, bd = forward_graph.weights
     key = (gemm, dout2d.dtype, l1_scale.dtype, *(None if w is None else w.data_ptr() for w in (wg, wu, wd, bg, bu, bd)))
     return call_replay.backward(forward_graph, key, dout2d, x2d, l1_scale, lambda dout, x, scale: sparse_backward(
         dout, x, wg, wu, wd, bg, bu, bd, res.packed, res.up_val, scale, layer=layer, prep=prep, gemm=gemm))

@@ -500,8 +500,8 @@ def replay_line() -> str:
 def outcome_parts(outcomes: dict) -> list[str]:
     """``replay_stats``' outcomes in words: per direction, the calls replayed and the eager ones by
     reason; then the training forwards run from graphs (each meets a backward: fewer backward
-    calls mean some did not find their forward graph), the keys added, dropped and evicted, and the
-    failed captures."""
+    calls mean some did not find their forward graph), the layers whose graphs copy the weights in,
+    the keys dropped and evicted, and the failed captures."""
     parts = []
     for direction in ("forward", "backward"):
         eager = {k.split(": ", 1)[1]: n for k, n in outcomes.items() if k.startswith(f"{direction} eager: ")}
@@ -511,7 +511,7 @@ def outcome_parts(outcomes: dict) -> list[str]:
         parts.append(f"{direction} calls: {outcomes.get(f'{direction} replayed', 0)} replayed, {sum(eager.values())} "
                      f"eager" + (f" ({reasons})" if reasons else ""))
     parts += [f"{name} {n}" for name, n in sorted(outcomes.items())
-              if "keys" in name or "failed" in name or name == "training forwards from graphs"]
+              if "keys" in name or "failed" in name or name.startswith(("training forwards", "layers whose"))]
     return parts
 
 

@@ -8,7 +8,8 @@
   graphs of the old weights.
 * Sparse training steps replayed (forward and backward) are bitwise the eager steps, across
   weight updates, with one or two forwards held before a backward, and with weights cast anew at
-  every step (autocast's copies, which move in memory), which still replay.
+  every step (autocast's copies, which move in memory), which still replay: the layer's graphs
+  copy the weights in.
 * Calls above ``REPLAY_MAX_WORK`` tokens × D × H and calls inside a capture are never replayed; the
   graphs per layer stay bounded.
 """
@@ -184,6 +185,7 @@ def test_replayed_training_steps_are_bitwise_the_eager_steps(monkeypatch, forwar
 def test_weights_cast_anew_every_step_still_replay(monkeypatch):
     replayed = _training_steps(monkeypatch, 9_420, replay=True, steps=8, cast=True)
     outcomes = call_replay.stats().outcomes
+    assert (9_420, 0) in call_replay.COPIED_WEIGHTS, outcomes
     eager = _training_steps(monkeypatch, 9_470, replay=False, steps=8, cast=True)
     for step, (got, want) in enumerate(zip(replayed, eager)):
         for i, (a, b) in enumerate(zip(got, want)):

@@ -102,11 +102,11 @@ def test_bench_distributed_compares_losses_of_two_runs(tmp_path):
 def test_the_replay_line_says_why_calls_ran_eagerly():
     outcomes = {"forward replayed": 90, "forward eager: first call of its key": 4,
                 "forward eager: its graphs' results still held": 6, "backward replayed": 88,
-                "training keys added: weights moved": 3, "forward recorded": 5, "training forwards from graphs": 88}
+                "layers whose training graphs copy the weights in": 3, "forward recorded": 5, "training forwards from graphs": 88}
     assert bench_train.outcome_parts(outcomes) == [
         "forward calls: 90 replayed, 10 eager (its graphs' results still held 6, first call of its key 4)",
         "backward calls: 88 replayed, 0 eager",
+        "layers whose training graphs copy the weights in 3",
         "training forwards from graphs 88",
-        "training keys added: weights moved 3",
     ]
     assert bench_train.outcome_parts({}) == []
