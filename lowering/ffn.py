@@ -24,8 +24,8 @@ from torch import Tensor
 
 from . import impl
 from .checks import check_ffn_args
-from .ffn_bwd import backward_grads, plain_eager, real_tensors
-from .ffn_train import FUNCTORCH_UNSUPPORTED, below_autograd, ffn_train, present_grads
+from .ffn_bwd import backward_grads, below_autograd, plain_eager, real_tensors
+from .ffn_train import FUNCTORCH_UNSUPPORTED, ffn_train, present_grads
 
 _LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the other ops
 _LIB.define(

@@ -5,6 +5,11 @@ Computes the gradients of ``loss + l1_coeff · l1_factor · L1`` for one layer, 
 scale over the model's layer count; docs/architecture.md, 'The L1 regularizer'): ``dh`` at the
 active (token, neuron) pairs gets ``l1_coeff · l1_factor / T · sign(h)`` added before it is
 back-propagated. Every product runs on the active pairs only; dense rows run densely.
+
+Like ``twell::ffn_train`` it is defined with ``torch.library.Library`` and an autograd kernel of
+its own rather than ``torch.library.custom_op``: compiled backward graphs call it once per layer
+and step, and ``custom_op``'s wrappers cost ~28 µs of that call's host time on a CPU
+(docs/design-notes.md). Its own gradient is refused (no double backward).
 """
 
 from __future__ import annotations
@@ -22,8 +27,16 @@ from .checks import check_dout, check_ffn_args, check_l1_args
 _EMPTY = (0,)
 
 
-@torch.library.custom_op("twell::ffn_bwd", mutates_args=(), tags=(torch.Tag.needs_contiguous_strides,))
-def ffn_bwd(
+_LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the other ops
+_LIB.define(
+    "ffn_bwd(Tensor dout, Tensor x, Tensor? wg, Tensor wu, Tensor wd, Tensor? bg, Tensor? bu, Tensor? bd, Tensor idx, "
+    "Tensor val, Tensor count, Tensor up_val, Tensor l1_coeff, Tensor l1_factor, SymInt layer) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.needs_contiguous_strides, torch.Tag.pt2_compliant_tag),
+)
+
+
+def ffn_bwd_impl(
     dout: Tensor,
     x: Tensor,
     wg: Optional[Tensor],
@@ -111,7 +124,7 @@ def real_tensors(args) -> bool:
     return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))
 
 
-@ffn_bwd.register_fake
+@torch.library.register_fake("twell::ffn_bwd", lib=_LIB)
 def _(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_factor, layer):
     def like(t):
         return x.new_empty(_EMPTY) if t is None else torch.empty_like(t)
@@ -119,12 +132,34 @@ def _(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_fac
     return (torch.empty_like(x), like(wg), torch.empty_like(wu), torch.empty_like(wd), like(bg), like(bu), like(bd))
 
 
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("twell: double backward through twell::ffn_bwd is not supported")
+def below_autograd(op, keyset, args):
+    """The op overload ``op`` itself, dispatched past its autograd kernel (to its implementation,
+    or to a tracer's or fake tensors' handler)."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
-def _setup_nothing(ctx, inputs, output):
-    pass
+class _NoDoubleBackward(torch.autograd.Function):
+    """The op under grad mode (a backward with ``create_graph=True``): its gradients are refused."""
+
+    @staticmethod
+    def forward(ctx, keyset, *args):
+        return below_autograd(_OP, keyset, args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("twell: double backward through twell::ffn_bwd is not supported")
 
 
-ffn_bwd.register_autograd(_no_double_backward, setup_context=_setup_nothing)
+def _autograd_kernel(keyset, *args):
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return _NoDoubleBackward.apply(keyset, *args)
+    if real_tensors(args):  # what compiled backward graphs call: the implementation, with no second dispatch
+        return ffn_bwd_impl(*args)
+    return below_autograd(_OP, keyset, args)
+
+
+_LIB.impl("ffn_bwd", ffn_bwd_impl, "CompositeExplicitAutograd")
+_LIB.impl("ffn_bwd", _autograd_kernel, "Autograd", with_keyset=True)
+ffn_bwd = torch.ops.twell.ffn_bwd
+_OP = ffn_bwd.default

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import impl
 from .checks import check_ffn_args, check_l1_args
-from .ffn_bwd import backward_grads, plain_eager, real_tensors
+from .ffn_bwd import backward_grads, below_autograd, plain_eager, real_tensors
 
 _LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the other ops
 _LIB.define(
@@ -140,13 +140,6 @@ FUNCTORCH_UNSUPPORTED = (
     "twell: torch.func transforms (grad, vmap, jacrev, functional_call under grad, ...) cannot "
     "differentiate through the TwELL ops; run that computation on a model that is not patched or "
     "compiled with backend='twell'")
-
-
-def below_autograd(op, keyset, args):
-    """The op overload ``op`` itself, dispatched past its autograd kernel (to its implementation,
-    or to a tracer's or fake tensors' handler)."""
-    with torch._C._AutoDispatchBelowAutograd():
-        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
 def present_grads(grads, optional_inputs):
