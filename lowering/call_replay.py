@@ -139,11 +139,16 @@ class RecordedCall:
         """Whether nothing outside holds the result (a replay would overwrite it)."""
         return all(torch._C._storage_Use_Count(s._cdata) == uses for s, uses in self.storages)
 
-    def replay(self, *values: torch.Tensor):
-        """Copy ``values`` into the graph's inputs, replay it, and hand out its result."""
-        for static, value in zip(self.inputs, values):
-            static.copy_(value)
+    def replay(self, *values: torch.Tensor) -> None:
+        """Copy ``values`` into the graph's inputs (one launch for all) and replay it."""
+        torch._foreach_copy_(list(self.inputs), list(values))
         self.graph.replay()
+
+    def handed(self):
+        """The result for the caller (new aliases). A training forward's per-weight tensors stay
+        the graph's: its backward reads them from here, so no caller needs an alias of them."""
+        if self.training:
+            return handed(self.result[0]), None
         return handed(self.result)
 
 
@@ -242,7 +247,7 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
     recorded = next((r for r in state.graphs if r.idle()), None)
     if recorded is not None:
         OUTCOMES["forward replayed"] += 1
-        result = recorded.replay(*values)
+        recorded.replay(*values)
     elif (reason := _eager_reason(state, x2d.device)) is not None:
         OUTCOMES[f"forward eager: {reason}"] += 1
         state.eager_calls += 1
@@ -257,14 +262,13 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
                 own[i] = w
             recorded.weights = tuple(own)
         _evict(where)
-        result = handed(recorded.result)
+        recorded.training = training
     if training:
         # Each should meet its backward here (``backward``'s outcomes): fewer backwards mean some
         # did not find their forward graph.
         OUTCOMES["training forwards from graphs"] += 1
-        recorded.training = True
-        TRAINING_FORWARDS[result[0].packed.count.data_ptr()] = recorded
-    return result
+        TRAINING_FORWARDS[recorded.result[0].packed.count.data_ptr()] = recorded
+    return recorded.handed()
 
 
 def _training_key(where: tuple, sparse: bool, want_l1: bool, x2d: torch.Tensor, weights: tuple,
@@ -319,12 +323,13 @@ def backward(fwd: RecordedCall, key: tuple, dout2d: torch.Tensor, x2d: torch.Ten
     recorded = next((r for r in state.graphs if r.idle()), None)
     if recorded is not None:
         OUTCOMES["backward replayed"] += 1
-        return recorded.replay(*values)
+        recorded.replay(*values)
+        return recorded.handed()
     if (reason := _eager_reason(state, x2d.device)) is not None:
         OUTCOMES[f"backward eager: {reason}"] += 1
         return launches(*values)
     recorded = _record(-1, state, values, launches, (), ())
-    return launches(*values) if recorded is None else handed(recorded.result)
+    return launches(*values) if recorded is None else recorded.handed()
 
 
 def _eager_reason(state: KeyState, device: torch.device) -> Optional[str]:
