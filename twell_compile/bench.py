@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from .bench_report import Row, print_floors, print_table, write_csv, write_outputs
 from .bench_timing import graphed, interleaved_ms, peak_mb, rel_error, weights_updated
-from .lowering import DEFAULT_LAYOUT, TILE_N, active_pairs, force_path, gather_floor, replays_off, tuned_configs
+from .lowering import (DEFAULT_LAYOUT, TILE_N, active_pairs, force_path, gather_floor, replay_stats, replays_off,
+                       tuned_configs)
 from .options import COMPILE_MODES
 
 DEFAULT_DENSITIES = (0.003, 0.005, 0.01, 0.02, 0.05, 0.2, 0.5)
@@ -215,6 +216,7 @@ def host_line(d: int, h: int) -> str:
     """The benchmark's host line: CPU model, cores, and ``host_ms`` of each call in
     ``HOST_TARGETS_MS`` beside its target."""
     measured = []
+    before = replay_stats().outcomes
     for (path, train), target in HOST_TARGETS_MS.items():
         label = HOST_LABELS[path, train]
         try:
@@ -225,7 +227,18 @@ def host_line(d: int, h: int) -> str:
         verdict = "met" if ms <= target else f"{ms / target:.1f}x over"
         measured.append(f"{label} {ms:.3f} ms (target {target:g}: {verdict})")
     return (f"host: {cpu_model()}, {os.cpu_count()} cores; host time of a forced call at M=512, D={d}, H={h} "
-            f"(GPU kept busy): {', '.join(measured)}")
+            f"(GPU kept busy): {', '.join(measured)}{_unreplayed(before, replay_stats().outcomes)}")
+
+
+def _unreplayed(before: dict, after: dict) -> str:
+    """What the host line must say when its calls were eligible for replay and none was replayed
+    (say, a training run before it spent the graphs' memory share): they were timed eagerly."""
+    grown = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+    eager = {k.split(": ", 1)[1]: n for k, n in grown.items() if k.startswith("forward eager: ")}
+    if grown.get("forward replayed") or not eager:
+        return ""
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(eager.items(), key=lambda kv: -kv[1]))
+    return f"; none of these calls was replayed, so they ran eagerly ({reasons})"
 
 
 def sparse_forced(fn: Callable[[], object]) -> Callable[[], object]:

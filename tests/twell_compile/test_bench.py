@@ -241,6 +241,30 @@ def test_host_line_names_the_cpu_and_says_when_the_step_was_not_measured(monkeyp
         "a sparse training step 0.500 ms (target 0.5: met), a dense inference call 0.080 ms (target 0.1: met)")
 
 
+def test_host_line_says_when_its_calls_ran_eagerly_instead_of_replayed(monkeypatch):
+    """After a training run that spent the replayed graphs' memory share, the forced calls run
+    eagerly: the line says so, rather than reporting eager host time as a replayed call's."""
+    from twell_compile.lowering import call_replay
+
+    monkeypatch.setattr(call_replay, "OUTCOMES", type(call_replay.OUTCOMES)({"forward replayed": 7}))
+
+    def eager(d, h, *, train, path):
+        call_replay.OUTCOMES["forward eager: memory share spent"] += 20
+        return 1.0
+
+    monkeypatch.setattr(bench, "host_ms", eager)
+    assert bench.host_line(64, 128).endswith(
+        "; none of these calls was replayed, so they ran eagerly (memory share spent 60)")
+
+    def replayed(d, h, *, train, path):
+        call_replay.OUTCOMES["forward replayed"] += 20
+        call_replay.OUTCOMES["forward eager: first call of its key"] += 1
+        return 0.1
+
+    monkeypatch.setattr(bench, "host_ms", replayed)
+    assert bench.host_line(64, 128).endswith("(target 0.1: met)")
+
+
 def test_tuned_txt_lists_the_autotuners_choices(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "tuned_configs", lambda: [("_wgrad_kernel", "D=2048 H=5632 torch.bfloat16", "BD: 1024")])
     path = bench.write_tuned(tmp_path / "out" / "tuned.txt")
