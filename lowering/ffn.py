@@ -24,8 +24,9 @@ from torch import Tensor
 
 from . import impl
 from .checks import check_ffn_args
-from .ffn_bwd import backward_grads, below_autograd, plain_eager, real_tensors
-from .ffn_train import FUNCTORCH_UNSUPPORTED, ffn_train, present_grads
+from .ffn_bwd import backward_grads
+from .ffn_train import ffn_train, present_grads
+from .op_dispatch import autograd_kernel, below_autograd, plain_eager
 
 _LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the other ops
 _LIB.define(
@@ -96,14 +97,7 @@ class _Ffn(torch.autograd.Function):
 
 
 def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, layer):
-    args = (x, wg, wu, wd, bg, bu, bd, layer)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        if torch._C._are_functorch_transforms_active():
-            raise RuntimeError(FUNCTORCH_UNSUPPORTED)
-        return _Ffn.apply(keyset, *args)
-    if real_tensors(args):  # no grad to record: the implementation, with no second dispatch
-        return ffn_impl(*args)
-    return below_autograd(_OP, keyset, args)
+    return autograd_kernel(_Ffn, ffn_impl, _OP, keyset, (x, wg, wu, wd, bg, bu, bd, layer))
 
 
 _LIB.impl("ffn", ffn_impl, "CompositeExplicitAutograd")

@@ -7,9 +7,9 @@ active (token, neuron) pairs gets ``l1_coeff · l1_factor / T · sign(h)`` added
 back-propagated. Every product runs on the active pairs only; dense rows run densely.
 
 Like ``twell::ffn_train`` it is defined with ``torch.library.Library`` and an autograd kernel of
-its own rather than ``torch.library.custom_op``: compiled backward graphs call it once per layer
-and step, and ``custom_op``'s wrappers cost ~28 µs of that call's host time on a CPU
-(docs/design-notes.md). Its own gradient is refused (no double backward).
+its own (``op_dispatch``) rather than ``torch.library.custom_op``: compiled backward graphs call it
+once per layer and step, and ``custom_op``'s wrappers cost ~28 µs of that call's host time on a
+CPU (docs/design-notes.md). Its own gradient is refused (no double backward).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from twell_compile.kernels import TwellPacked
 
 from . import impl
 from .checks import check_dout, check_ffn_args, check_l1_args
+from .op_dispatch import autograd_kernel, below_autograd, plain_eager
 
 _EMPTY = (0,)
 
@@ -106,37 +107,12 @@ def backward_grads(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_
     return ffn_bwd(*args)
 
 
-# Tensor types that are real tensors: a model's weights are Parameters (no dispatch override).
-_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
-
-
-def plain_eager(args) -> bool:
-    """``real_tensors(args)`` with grad mode off (with ``create_graph=True`` the op raises the
-    double-backward error it registers)."""
-    return not torch.is_grad_enabled() and real_tensors(args)
-
-
-def real_tensors(args) -> bool:
-    """Real tensors (``Tensor`` or ``Parameter``: not fake, functional or other subclasses), and
-    nothing tracing or transforming: an op's implementation may then be called directly."""
-    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
-        return False
-    return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))
-
-
 @torch.library.register_fake("twell::ffn_bwd", lib=_LIB)
 def _(dout, x, wg, wu, wd, bg, bu, bd, idx, val, count, up_val, l1_coeff, l1_factor, layer):
     def like(t):
         return x.new_empty(_EMPTY) if t is None else torch.empty_like(t)
 
     return (torch.empty_like(x), like(wg), torch.empty_like(wu), torch.empty_like(wd), like(bg), like(bu), like(bd))
-
-
-def below_autograd(op, keyset, args):
-    """The op overload ``op`` itself, dispatched past its autograd kernel (to its implementation,
-    or to a tracer's or fake tensors' handler)."""
-    with torch._C._AutoDispatchBelowAutograd():
-        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -152,11 +128,7 @@ class _NoDoubleBackward(torch.autograd.Function):
 
 
 def _autograd_kernel(keyset, *args):
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        return _NoDoubleBackward.apply(keyset, *args)
-    if real_tensors(args):  # what compiled backward graphs call: the implementation, with no second dispatch
-        return ffn_bwd_impl(*args)
-    return below_autograd(_OP, keyset, args)
+    return autograd_kernel(_NoDoubleBackward, ffn_bwd_impl, _OP, keyset, args)
 
 
 _LIB.impl("ffn_bwd", ffn_bwd_impl, "CompositeExplicitAutograd")

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from . import impl
 from .checks import check_ffn_args, check_l1_args
-from .ffn_bwd import backward_grads, below_autograd, plain_eager, real_tensors
+from .ffn_bwd import backward_grads
+from .op_dispatch import autograd_kernel, below_autograd, plain_eager
 
 _LIB = torch.library.Library("twell", "FRAGMENT")  # the namespace is shared with the other ops
 _LIB.define(
@@ -126,20 +127,7 @@ class _Train(torch.autograd.Function):
 
 
 def _autograd_kernel(keyset, x, wg, wu, wd, bg, bu, bd, l1_coeff, l1_factor, layer):
-    args = (x, wg, wu, wd, bg, bu, bd, l1_coeff, l1_factor, layer)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        if torch._C._are_functorch_transforms_active():
-            raise RuntimeError(FUNCTORCH_UNSUPPORTED)
-        return _Train.apply(keyset, *args)
-    if real_tensors(args):  # no grad to record: the implementation, with no second dispatch
-        return ffn_train_impl(*args)
-    return below_autograd(_OP, keyset, args)
-
-
-FUNCTORCH_UNSUPPORTED = (
-    "twell: torch.func transforms (grad, vmap, jacrev, functional_call under grad, ...) cannot "
-    "differentiate through the TwELL ops; run that computation on a model that is not patched or "
-    "compiled with backend='twell'")
+    return autograd_kernel(_Train, ffn_train_impl, _OP, keyset, (x, wg, wu, wd, bg, bu, bd, l1_coeff, l1_factor, layer))
 
 
 def present_grads(grads, optional_inputs):
