@@ -172,9 +172,6 @@ COPIED_WEIGHTS: set = set()
 TRAINING_FORWARDS: "dict[int, RecordedCall]" = {}
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _warned: set = set()
-# How many graphs were recorded so far (``measure.first_launches`` counts them: a step that records
-# is slower than the replays after it)
-recordings = 0
 # Bytes the kept graphs reserved when recorded (``MEMORY_SHARE``)
 held_bytes = 0
 # What happened to each eligible call, and to recorded graphs, by reason (``stats``): what a run
@@ -389,8 +386,7 @@ def _record(layer: int, state: KeyState, values: tuple, launches: Launches, extr
     """Record a graph of ``launches(*static copies of values, *extra)`` (after a warm-up run
     outside the capture, whose result is dropped and whose call record is a scratch one), replay it
     for this call, and keep it; on failure warn once and return None (the caller runs eagerly)."""
-    global recordings, held_bytes
-    recordings += 1
+    global held_bytes
     direction = "forward" if layer >= 0 else "backward"
     device = values[0].device
     reserved = torch.cuda.memory_reserved(device)
@@ -448,7 +444,21 @@ class ReplayStats(NamedTuple):
 def stats() -> ReplayStats:
     """The recorded graphs, and what happened to the calls that could have been replayed."""
     kept = sum(1 + sum(len(b.graphs) for b in r.backward.values()) for s in KEYS.values() for r in s.graphs)
-    return ReplayStats(recordings, kept, held_bytes, dict(OUTCOMES))
+    recorded = OUTCOMES["forward recorded"] + OUTCOMES["backward recorded"]
+    return ReplayStats(recorded, kept, held_bytes, dict(OUTCOMES))
+
+
+# Calls that do once-only work: a key's first call (run eagerly so that the next one records), a
+# recording, a capture that failed.
+_WARM_UPS = ("forward eager: first call of its key", "forward recorded", "backward recorded",
+             "forward captures failed", "backward captures failed")
+
+
+def warm_ups() -> int:
+    """How many calls so far did once-only work (``measure.first_launches`` counts them: a step
+    with such a call is slower than the replays after it, so a step-time measurement over it is
+    taken again)."""
+    return sum(OUTCOMES[k] for k in _WARM_UPS)
 
 
 class replays_off:  # noqa: N801 - a context manager, named like torch.no_grad

@@ -37,7 +37,8 @@ from . import lowering
 
 # Steps each variant runs in a measurement, after the steps that warm it up (a first call
 # compiles kernels or records a CUDA graph). Measured steps in which a kernel was compiled or
-# tuned (``lowering.first_launches`` moved) are measured again, up to MEASURE_RETRIES times: on
+# tuned or a replayed call did its once-only work (``lowering.first_launches`` moved) are measured
+# again, up to MEASURE_RETRIES times: on
 # the H200 a 768-wide model's TwELL variant timed 316 ms a step with its first tuning inside the
 # measurement and 75 ms without (docs/benchmarks.md, "Training from scratch").
 MEASURE_STEPS = 8

@@ -122,14 +122,31 @@ def test_clearing_a_key_returns_its_graphs_bytes_and_drops_their_backward_graphs
 
 def test_stats_count_the_kept_forward_and_backward_graphs(monkeypatch):
     monkeypatch.setattr(call_replay, "KEYS", type(call_replay.KEYS)())
-    monkeypatch.setattr(call_replay, "recordings", 5)
     monkeypatch.setattr(call_replay, "held_bytes", 1234)
     backward = _Graphs(1)
     forward = _Graphs(2)
     forward.graphs[0].backward = {("gemm",): backward}
     call_replay.KEYS[(7, 0, True, True, (8,), "w")] = forward
-    monkeypatch.setattr(call_replay, "OUTCOMES", type(call_replay.OUTCOMES)(["forward replayed"] * 4))
-    assert call_replay.stats() == (5, 3, 1234, {"forward replayed": 4})
+    outcomes = {"forward replayed": 4, "forward recorded": 3, "backward recorded": 2}
+    monkeypatch.setattr(call_replay, "OUTCOMES", type(call_replay.OUTCOMES)(outcomes))
+    assert call_replay.stats() == (5, 3, 1234, outcomes)
+
+
+def test_warm_ups_count_the_calls_that_do_once_only_work(monkeypatch):
+    """A key's eager first call, a recording and a failed capture: a step-time measurement over a
+    step with one of them is taken again (``lowering.first_launches``); replays and held results
+    are the steady state."""
+    from twell_compile.lowering import first_launches
+
+    monkeypatch.setattr(call_replay, "OUTCOMES", type(call_replay.OUTCOMES)())
+    before = first_launches()
+    for outcome in ("forward replayed", "forward eager: its graphs' results still held", "backward replayed",
+                    "forward eager: memory share spent"):
+        call_replay.OUTCOMES[outcome] += 1
+    assert call_replay.warm_ups() == 0 and first_launches() == before
+    for outcome in call_replay._WARM_UPS:
+        call_replay.OUTCOMES[outcome] += 1
+    assert call_replay.warm_ups() == len(call_replay._WARM_UPS) and first_launches() == before + len(call_replay._WARM_UPS)
 
 
 def test_a_new_weight_state_drops_the_layers_other_inference_keys_only(monkeypatch):
