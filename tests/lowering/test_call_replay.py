@@ -321,36 +321,43 @@ def test_outcomes_say_why_calls_ran_eagerly_and_when_the_weights_moved(stand_in_
     assert len(keys) == 1 and all(r[0] is None for r in keys[0][-1][0] if r is not None), "no pointers in its key"
 
 
-def test_training_weights_made_anew_every_step_replay_from_copies(stand_in_replays):
+@pytest.mark.parametrize("biases", [False, True])
+def test_training_weights_made_anew_every_step_replay_from_copies(stand_in_replays, biases):
     """Autocast's weight copies are made anew each step, wherever the allocator puts them: once they
-    moved, the layer's graphs copy the weights in, so the calls replay, and each replayed step is
-    the eager step on the weights it was given, its backward included."""
+    moved, the layer's graphs copy the weights (and biases) in, so the calls replay, and each
+    replayed step is the eager step on the weights it was given, its backward included."""
     from twell_compile.lowering import cuda_ffn, force_path
 
     stand_in_replays.setattr(call_replay, "COPIED_WEIGHTS", set())
     x, wg, wu, wd = _ffn()
+    g0 = torch.Generator().manual_seed(3)
+    bias = [torch.randn(n, generator=g0) for n in (wg.shape[0], wu.shape[0], wd.shape[0])] if biases else [None] * 3
+    names = ("out", "dx", "dwg", "dwu", "dwd", "dbg", "dbu", "dbd")
     logs = {}
-    for layer, replay in ((8_875, True), (8_876, False)):
+    for layer, replay in ((8_875 + 2 * biases, True), (8_876 + 2 * biases, False)):
         stand_in_replays.setattr(call_replay, "ENABLED", replay)
         log = logs[replay] = []
-        params, held = [w.clone() for w in (wg, wu, wd)], None
+        params, held = [t.clone() for t in (wg, wu, wd, *bias) if t is not None], None
         with force_path("sparse"):
             for _ in range(10):
                 copies = [p.clone() for p in params]  # the previous step's copies are still alive: new memory
-                res = cuda_ffn.forward(x, *copies, None, None, None, layer=layer, training=True)[0]
-                g = cuda_ffn.backward(torch.ones_like(x), x, *copies, None, None, None, res.packed, res.up_val,
-                                      torch.tensor(0.01), layer=layer)
-                log.append((res.out.clone(), g.dx.clone(), g.dwg.clone(), g.dwu.clone(), g.dwd.clone()))
-                for p, grad in zip(params, (g.dwg, g.dwu, g.dwd)):
+                weights = copies + [None] * (6 - len(copies))
+                res = cuda_ffn.forward(x, *weights, layer=layer, training=True)[0]
+                g = cuda_ffn.backward(torch.ones_like(x), x, *weights, res.packed, res.up_val, torch.tensor(0.01),
+                                      layer=layer)
+                grads = [t for t in (g.dwg, g.dwu, g.dwd, g.dbg, g.dbu, g.dbd) if t is not None]
+                log.append([res.out.clone(), g.dx.clone(), *(t.clone() for t in grads)])
+                for p, grad in zip(params, grads):
                     p.sub_(1e-3 * grad)
                 held = copies
-                del res, g
+                del res, g, grads
     del held
     outcomes = call_replay.stats().outcomes
     assert outcomes["forward replayed"] >= 5 and outcomes["backward replayed"] >= 5, outcomes
     assert outcomes["layers whose training graphs copy the weights in"] == 1
     for call, (got, want) in enumerate(zip(logs[True], logs[False])):
-        for name, a, b in zip(("out", "dx", "dwg", "dwu", "dwd"), got, want):
+        assert len(got) == (8 if biases else 5)
+        for name, a, b in zip(names, got, want):
             assert torch.isfinite(b).all() and torch.equal(a, b), f"call {call}: {name}"
 
 
