@@ -39,7 +39,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .bench_report import Row, print_floors, print_table, write_csv, write_outputs
+from .bench_report import Row, eager_reasons, print_floors, print_table, write_csv, write_outputs
 from .bench_timing import graphed, interleaved_ms, peak_mb, rel_error, weights_updated
 from .lowering import (DEFAULT_LAYOUT, TILE_N, active_pairs, force_path, gather_floor, replay_stats, replays_off,
                        tuned_configs)
@@ -234,10 +234,9 @@ def _unreplayed(before: dict, after: dict) -> str:
     """What the host line must say when its calls were eligible for replay and none was replayed
     (say, a training run before it spent the graphs' memory share): they were timed eagerly."""
     grown = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
-    eager = {k.split(": ", 1)[1]: n for k, n in grown.items() if k.startswith("forward eager: ")}
+    eager, reasons = eager_reasons(grown, "forward")
     if grown.get("forward replayed") or not eager:
         return ""
-    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(eager.items(), key=lambda kv: -kv[1]))
     return f"; none of these calls was replayed, so they ran eagerly ({reasons})"
 
 

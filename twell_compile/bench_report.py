@@ -12,6 +12,13 @@ from pathlib import Path
 import torch
 
 
+def eager_reasons(outcomes: dict, direction: str) -> tuple[int, str]:
+    """``replay_stats``' eager ``direction`` ("forward" or "backward") calls: their count and their
+    reasons in words, most frequent first ("first call of its key 4, memory share spent 2")."""
+    eager = {k.split(": ", 1)[1]: n for k, n in outcomes.items() if k.startswith(f"{direction} eager: ")}
+    return sum(eager.values()), ", ".join(f"{reason} {n}" for reason, n in sorted(eager.items(), key=lambda kv: -kv[1]))
+
+
 @dataclass
 class Row:
     mode: str  # "inference" or "training"

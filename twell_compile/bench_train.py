@@ -42,6 +42,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .bench_report import eager_reasons
+
 VARIANTS = ("inductor", "twell", "twell-fixed", "silu-relu-gate", "silu")
 
 
@@ -504,12 +506,11 @@ def outcome_parts(outcomes: dict) -> list[str]:
     the keys dropped and evicted, and the failed captures."""
     parts = []
     for direction in ("forward", "backward"):
-        eager = {k.split(": ", 1)[1]: n for k, n in outcomes.items() if k.startswith(f"{direction} eager: ")}
+        eager, reasons = eager_reasons(outcomes, direction)
         if not eager and f"{direction} replayed" not in outcomes:
             continue
-        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(eager.items(), key=lambda kv: -kv[1]))
-        parts.append(f"{direction} calls: {outcomes.get(f'{direction} replayed', 0)} replayed, {sum(eager.values())} "
-                     f"eager" + (f" ({reasons})" if reasons else ""))
+        parts.append(f"{direction} calls: {outcomes.get(f'{direction} replayed', 0)} replayed, {eager} eager"
+                     + (f" ({reasons})" if reasons else ""))
     parts += [f"{name} {n}" for name, n in sorted(outcomes.items())
               if "keys" in name or "failed" in name or name.startswith(("training forwards", "layers whose"))]
     return parts
