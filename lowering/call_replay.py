@@ -225,15 +225,7 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
         key = (*where, sparse, False, want_l1, tuple(x2d.shape), x2d.dtype, torch.is_inference_mode_enabled(),
                (reads, id(prep), record.values.data_ptr(), record.scratch.data_ptr()))
     copied = training and where in COPIED_WEIGHTS
-    present = [i for i, w in enumerate(weights) if w is not None] if copied else []
-    values = (x2d, *(weights[i] for i in present))
-
-    def run(x, *rest):  # the launches on the graph's tokens and, if copied in, weights
-        own = list(weights)
-        for i, w in zip(present, rest):
-            own[i] = w
-        return launches(x, rest[-1], tuple(own))
-
+    values = (x2d, *(w for w in weights if w is not None)) if copied else (x2d,)
     state = KEYS.get(key)
     if state is None:
         if not training:
@@ -250,14 +242,15 @@ def forward(layer: int, sparse: bool, training: bool, want_l1: bool, x2d: torch.
         state.eager_calls += 1
         return launches(x2d, record, weights)
     else:
+        # The launches on the graph's tokens and, where it copies them in, its weights.
+        def run(x, *rest):
+            return launches(x, rest[-1], _placed(weights, rest[:-1]) if copied else weights)
+
         recorded = _record(layer, state, values, run, (record,), (prep, record))
         if recorded is None:
             return launches(x2d, record, weights)
         if copied:
-            own = list(weights)
-            for i, w in zip(present, recorded.inputs[1:]):
-                own[i] = w
-            recorded.weights = tuple(own)
+            recorded.weights = _placed(weights, recorded.inputs[1:])
         _evict(where)
         recorded.training = training
     if training:
@@ -278,11 +271,18 @@ def _training_key(where: tuple, sparse: bool, want_l1: bool, x2d: torch.Tensor, 
             (reads, None, record.values.data_ptr(), record.scratch.data_ptr()))
 
 
+def _placed(weights: tuple, copies) -> tuple:
+    """``weights`` with its present tensors replaced, in order, by ``copies``."""
+    copies = iter(copies)
+    return tuple(None if w is None else next(copies) for w in weights)
+
+
 def _weights_moved(key: tuple) -> bool:
     """Whether the layer keeps a training key for the same weights' shapes elsewhere in memory."""
-    shapes = [r if r is None else r[1:] for r in key[-1][0]]
-    return any(k[:2] == key[:2] and k[3] and k[-1][0] != key[-1][0] and [r if r is None else r[1:] for r in k[-1][0]]
-               == shapes for k in KEYS)
+    def shapes(k):
+        return [r if r is None else r[1:] for r in k[-1][0]]
+
+    return any(k[:2] == key[:2] and k[3] and k[-1][0] != key[-1][0] and shapes(k) == shapes(key) for k in KEYS)
 
 
 def _copy_weights_in(where: tuple) -> None:
