@@ -143,12 +143,19 @@ def cpu_model() -> str:
 # measurement. Below them the ops' host work hides behind the GPU's from ~4096 tokens at the 2B
 # FFN shape (docs/benchmarks.md, "Host time of the TwELL ops").
 HOST_TARGETS_MS = {("sparse", False): 0.15, ("sparse", True): 0.5, ("dense", False): 0.1}
-HOST_LABELS = {("sparse", False): "a sparse inference call", ("sparse", True): "a sparse training step",
+HOST_LABELS = {("sparse", False): "a sparse inference call", ("sparse", True): "a sparse training step per layer",
                ("dense", False): "a dense inference call"}
-# Calls per timed round of host_ms. Behind the spin every launch waits in CUDA's queue, which holds
-# ~1000 of them; a full queue would make the host wait for the spin. 50 inference calls queue ~300
-# launches, 20 training steps ~400.
-HOST_CALLS = {False: 50, True: 20}
+# Calls per timed round of host_ms (training: steps of HOST_LAYERS layers). Behind the spin every
+# launch waits in CUDA's queue, which holds ~1000 of them; a full queue would make the host wait
+# for the spin. 50 inference calls queue ~300 launches, 10 training steps ~400.
+HOST_CALLS = {False: 50, True: 10}
+# Layers a timed training step chains, as a model does: what a step pays once (the autograd
+# engine's start, the loss) is shared by its layers, and each layer has its own weights and keys.
+HOST_LAYERS = 4
+# How a training step reaches the ops: as a model compiled with backend="twell" calls them (the
+# compiled forward and backward call ``ffn_train`` and ``ffn_bwd`` with grad mode off, no autograd
+# node per layer), or through eager autograd (a patched model that is not compiled).
+HOST_ROUTES = ("compiled", "autograd")
 
 
 def spin_cycles_per_ms() -> float:
@@ -161,10 +168,55 @@ def spin_cycles_per_ms() -> float:
     return 10_000_000 / max(start.elapsed_time(end), 1e-3)
 
 
-def host_ms(d: int, h: int, *, train: bool, path: str = "sparse", reps: int = 5) -> float:
-    """Host time of one TwELL call forced onto ``path`` at M=512 tokens (ms, median of ``reps``
-    rounds of ``HOST_CALLS`` calls): a training step (forward, backward, weights updated) or an
-    inference call.
+def _training_step(d: int, h: int, route: str, *, m: int = 512, dtype=torch.bfloat16,
+                   device: str = "cuda") -> Callable[[], torch.Tensor]:
+    """One training step of ``HOST_LAYERS`` chained FFNs of ``m`` tokens (forward, backward,
+    weights updated), reaching the ops by ``route`` (``HOST_ROUTES``); it returns the gradient of
+    the first layer's input."""
+    if route not in HOST_ROUTES:
+        raise ValueError(f"twell bench: host route must be one of {HOST_ROUTES}, got {route!r}")
+    layers = [make_problem(m, d, h, 0.005, skewed=False, dtype=dtype, device=device, seed=i) for i in range(HOST_LAYERS)]
+    x = layers[0][0].detach().requires_grad_(route == "autograd")
+    weights = [[w.detach().requires_grad_() for w in problem[1:]] for problem in layers]
+    gen = torch.Generator(device="cpu").manual_seed(HOST_LAYERS)
+    dout = torch.randn(x.shape, generator=gen).to(device=device, dtype=dtype)
+    coeff = torch.tensor(2e-5, device=device)
+    factor = torch.ones_like(coeff)
+    ids = [10_000 + i for i in range(HOST_LAYERS)]
+    flat = [w for ws in weights for w in ws]
+
+    def compiled() -> torch.Tensor:
+        with torch.no_grad():
+            inputs, saved, y = [], [], x
+            for (wg, wu, wd), layer in zip(weights, ids):
+                inputs.append(y)
+                y, *buffers = torch.ops.twell.ffn_train(y, wg, wu, wd, None, None, None, coeff, factor, layer)
+                saved.append(buffers)
+            grad = dout
+            for (wg, wu, wd), layer, xi, buffers in reversed(list(zip(weights, ids, inputs, saved))):
+                grad = torch.ops.twell.ffn_bwd(grad, xi, wg, wu, wd, None, None, None, *buffers, coeff, factor, layer)[0]
+        weights_updated(flat)
+        return grad
+
+    def autograd() -> torch.Tensor:
+        y = x
+        for (wg, wu, wd), layer in zip(weights, ids):
+            y = torch.ops.twell.ffn_train(y, wg, wu, wd, None, None, None, coeff, factor, layer)[0]
+        y.backward(dout)
+        grad, x.grad = x.grad, None
+        for w in flat:  # optimizer.zero_grad(set_to_none=True)
+            w.grad = None
+        weights_updated(flat)
+        return grad
+
+    return compiled if route == "compiled" else autograd
+
+
+def host_ms(d: int, h: int, *, train: bool, path: str = "sparse", route: str = "compiled", reps: int = 5) -> float:
+    """Host time of a TwELL call forced onto ``path`` at M=512 tokens (ms, median of ``reps``
+    rounds of ``HOST_CALLS`` calls): an inference call, or a training step's share per layer
+    (``HOST_LAYERS`` chained layers: forward, backward, weights updated; reaching the ops by
+    ``route``).
 
     Each round first queues a GPU spin (``torch.cuda._sleep``) three times as long as an untimed
     round took, so the host never waits for the GPU and the clock times its work alone (Python,
@@ -172,15 +224,12 @@ def host_ms(d: int, h: int, *, train: bool, path: str = "sparse", reps: int = 5)
     the GPU would wait for the spin: that raises. Near 0.5% density at the benchmark shape a sparse
     call's GPU work is about as long as its host's work, which differs by 1.5-2x between the H200's
     hosts: this says how fast this run's was, and so whether its eager readings were the host's."""
-    x, wg, wu, wd = make_problem(512, d, h, 0.005, skewed=False)
     if train:
-        params = [p.detach().requires_grad_() for p in (x, wg, wu, wd)]
-        dout, coeff = torch.randn_like(x), torch.tensor(2e-5, device=x.device)
-
-        def call():
-            twell_train_step(*params, dout, coeff)
-            weights_updated(params[1:])
+        call, per_call = _training_step(d, h, route), HOST_LAYERS
     else:
+        x, wg, wu, wd = make_problem(512, d, h, 0.005, skewed=False)
+        per_call = 1
+
         def call():
             with torch.no_grad():
                 torch.ops.twell.ffn(x, wg, wu, wd, None, None, None, 10_002)
@@ -203,31 +252,34 @@ def host_ms(d: int, h: int, *, train: bool, path: str = "sparse", reps: int = 5)
             t = time.perf_counter()
             for _ in range(calls):
                 call()
-            times.append((time.perf_counter() - t) / calls * 1e3)
+            times.append((time.perf_counter() - t) / (calls * per_call) * 1e3)
             if spun.query():
                 raise RuntimeError(f"the GPU finished a spin 3x as long as an untimed round before the host finished "
-                                   f"{calls} calls ({times[-1] * calls:.1f} ms): a call waited for the GPU (a host "
-                                   "sync)")
+                                   f"{calls} calls ({times[-1] * calls * per_call:.1f} ms): a call waited for the GPU "
+                                   "(a host sync)")
             torch.cuda.synchronize()
     return statistics.median(times)
 
 
 def host_line(d: int, h: int) -> str:
     """The benchmark's host line: CPU model, cores, and ``host_ms`` of each call in
-    ``HOST_TARGETS_MS`` beside its target."""
+    ``HOST_TARGETS_MS`` beside its target; the training step as compiled models call the ops,
+    then through eager autograd."""
     measured = []
     before = replay_stats().outcomes
     for (path, train), target in HOST_TARGETS_MS.items():
         label = HOST_LABELS[path, train]
         try:
             ms = host_ms(d, h, train=train, path=path)
+            eager = f"; {host_ms(d, h, train=train, path=path, route='autograd'):.3f} ms through eager autograd" if train else ""
         except Exception as err:  # noqa: BLE001 - a report line: say what failed, keep the results
             measured.append(f"{label} not measured ({type(err).__name__}: {err})")
             continue
         verdict = "met" if ms <= target else f"{ms / target:.1f}x over"
-        measured.append(f"{label} {ms:.3f} ms (target {target:g}: {verdict})")
+        measured.append(f"{label} {ms:.3f} ms (target {target:g}: {verdict}{eager})")
     return (f"host: {cpu_model()}, {os.cpu_count()} cores; host time of a forced call at M=512, D={d}, H={h} "
-            f"(GPU kept busy): {', '.join(measured)}{_unreplayed(before, replay_stats().outcomes)}")
+            f"(GPU kept busy; a training step of {HOST_LAYERS} chained layers, its ops called as a model compiled "
+            f"with backend='twell' calls them): {', '.join(measured)}{_unreplayed(before, replay_stats().outcomes)}")
 
 
 def _unreplayed(before: dict, after: dict) -> str:

@@ -227,18 +227,21 @@ def test_host_line_names_the_cpu_and_says_when_the_step_was_not_measured(monkeyp
                         else real_open(path, *a, **k))
     assert bench.cpu_model() == "Some CPU @ 2.00GHz"
 
-    def fail(d, h, *, train, path):
+    def fail(d, h, *, train, path, route="compiled"):
         raise RuntimeError("no GPU here")
 
     monkeypatch.setattr(bench, "host_ms", fail)
     line = bench.host_line(64, 128)
     assert line.startswith(f"host: {bench.cpu_model()}, ") and "cores" in line
     assert line.count("not measured (RuntimeError: no GPU here)") == 3
-    times = {("sparse", False): 0.375, ("sparse", True): 0.5, ("dense", False): 0.08}
-    monkeypatch.setattr(bench, "host_ms", lambda d, h, *, train, path: times[path, train])
+    times = {("sparse", False, "compiled"): 0.375, ("sparse", True, "compiled"): 0.5, ("sparse", True, "autograd"): 0.75,
+             ("dense", False, "compiled"): 0.08}
+    monkeypatch.setattr(bench, "host_ms", lambda d, h, *, train, path, route="compiled": times[path, train, route])
     assert bench.host_line(64, 128).endswith(
-        "at M=512, D=64, H=128 (GPU kept busy): a sparse inference call 0.375 ms (target 0.15: 2.5x over), "
-        "a sparse training step 0.500 ms (target 0.5: met), a dense inference call 0.080 ms (target 0.1: met)")
+        "at M=512, D=64, H=128 (GPU kept busy; a training step of 4 chained layers, its ops called as a model "
+        "compiled with backend='twell' calls them): a sparse inference call 0.375 ms (target 0.15: 2.5x over), "
+        "a sparse training step per layer 0.500 ms (target 0.5: met; 0.750 ms through eager autograd), "
+        "a dense inference call 0.080 ms (target 0.1: met)")
 
 
 def test_host_line_says_when_its_calls_ran_eagerly_instead_of_replayed(monkeypatch):
@@ -248,15 +251,15 @@ def test_host_line_says_when_its_calls_ran_eagerly_instead_of_replayed(monkeypat
 
     monkeypatch.setattr(call_replay, "OUTCOMES", type(call_replay.OUTCOMES)({"forward replayed": 7}))
 
-    def eager(d, h, *, train, path):
+    def eager(d, h, *, train, path, route="compiled"):
         call_replay.OUTCOMES["forward eager: memory share spent"] += 20
         return 1.0
 
     monkeypatch.setattr(bench, "host_ms", eager)
     assert bench.host_line(64, 128).endswith(
-        "; none of these calls was replayed, so they ran eagerly (memory share spent 60)")
+        "; none of these calls was replayed, so they ran eagerly (memory share spent 80)")
 
-    def replayed(d, h, *, train, path):
+    def replayed(d, h, *, train, path, route="compiled"):
         call_replay.OUTCOMES["forward replayed"] += 20
         call_replay.OUTCOMES["forward eager: first call of its key"] += 1
         return 0.1
@@ -349,3 +352,27 @@ def test_sparse_forced_forces_the_sparse_path_for_one_call_only():
     with pytest.raises(RuntimeError, match="boom"):
         bench.sparse_forced(fail)()
     assert dispatch_policy.FORCED_PATH is None
+
+
+def test_host_training_step_reaches_the_ops_as_compiled_code_and_as_autograd_alike():
+    """The host line's training step, on the CPU reference: called as a compiled model's graphs call
+    the ops (grad mode off, ``ffn_bwd`` in reverse) and through eager autograd, its chained layers
+    give the same input gradient, which is the dense FFN chain's (float64 autograd, L1 term
+    included)."""
+    d, h, m = 16, 64, 24
+    steps = {route: bench._training_step(d, h, route, m=m, dtype=torch.float64, device="cpu") for route in bench.HOST_ROUTES}
+    grads = {route: step() for route, step in steps.items()}
+    assert torch.equal(grads["compiled"], grads["autograd"])
+    problems = [bench.make_problem(m, d, h, 0.005, skewed=False, dtype=torch.float64, device="cpu", seed=i)
+                for i in range(bench.HOST_LAYERS)]
+    x = problems[0][0].clone().requires_grad_()
+    y, l1 = x, 0.0
+    for _, wg, wu, wd in problems:
+        hidden = torch.relu(y @ wg.T) * (y @ wu.T)
+        l1 = l1 + hidden.abs().sum() / m
+        y = hidden @ wd.T
+    dout = torch.randn(x.shape, generator=torch.Generator().manual_seed(bench.HOST_LAYERS)).to(torch.float64)
+    ((y * dout).sum() + 2e-5 * l1).backward()
+    torch.testing.assert_close(grads["compiled"], x.grad, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="host route"):
+        bench._training_step(d, h, "jit", device="cpu")
