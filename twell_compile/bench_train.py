@@ -18,7 +18,9 @@ loop runs between two loss readings), timed from a synchronised start to a synch
 step time a user sees, host stalls included. Every turn reports, per variant: the training loss
 (mean over the turn), the validation loss (fixed held-out batches), the FFN density (per layer and
 mean: twell's counters; for Inductor, measured with hooks on an eager forward of one validation
-batch), each layer's path (sparse or dense), the L1 coefficient, dead neurons, and the step time.
+batch), each layer's path (sparse or dense), the L1 coefficient, dead neurons, the step time, and
+on CUDA the process's peak memory during the turn and the memory reserved at its end (a jump is
+what that turn recorded: CUDA graphs of a variant or of replayed calls).
 
 Writes ``train.csv`` (one row per variant and turn) and ``train.png`` (validation loss, density,
 coefficient, dead neurons, step time and speed against the first variant, against the step) into
@@ -63,6 +65,11 @@ class TrainRow:
     graph_variant: str  # which of twell's graph variants ran at the end of the turn ("-": not twell)
     step_ms: float
     ratio: float  # the baseline's step time / this variant's (>1: faster than the baseline)
+    # The process's CUDA memory (GiB; NaN off CUDA), with every variant's models, optimizer states and
+    # recorded graphs in it: the most allocated during this variant's turn, and what the caching
+    # allocator reserved at its end (a jump from one turn to the next is what that turn recorded).
+    peak_gib: float = float("nan")
+    reserved_gib: float = float("nan")
 
 
 @dataclass
@@ -235,6 +242,17 @@ def train_turn(v: Variant, batches: Batches, first: int, last: int, cfg: TrainCo
     return 1e3 * elapsed / max(1, last - first)
 
 
+def measured_turn(v: Variant, batches: Batches, first: int, last: int, cfg: TrainConfig) -> tuple[float, float, float]:
+    """``train_turn``'s ms a step, with the process's peak CUDA memory allocated during the turn and
+    the memory reserved at its end (GiB; NaN off CUDA)."""
+    if not cfg.device.startswith("cuda"):
+        return train_turn(v, batches, first, last, cfg), float("nan"), float("nan")
+    device = torch.device(cfg.device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ms = train_turn(v, batches, first, last, cfg)
+    return ms, torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.memory_reserved(device) / 2**30
+
+
 @contextlib.contextmanager
 def trained_function(v: Variant):
     """The raw model computing what the variant trains: a SiLU model under ``relu_gate`` trains
@@ -348,16 +366,17 @@ def run(cfg: TrainConfig, log: Callable[[str], None] = print, on_rows: Optional[
     rows: list[TrainRow] = []
     for first in range(0, cfg.steps, cfg.eval_every):
         last = min(cfg.steps, first + cfg.eval_every)
-        times = {v.name: train_turn(v, batches, first, last, cfg) for v in variants}
+        turns = {v.name: measured_turn(v, batches, first, last, cfg) for v in variants}
         for v in variants:
             seen = observe(v, batches, cfg)
             per_layer = seen["per_layer"]
+            ms, peak, reserved = turns[v.name]
             rows.append(TrainRow(last, v.name, v.losses[-1], val_loss(v, batches, cfg),
                                  statistics.fmean(per_layer) if per_layer else float("nan"),
                                  ";".join(f"{d:.5f}" for d in per_layer), seen["sparse_layers"], seen["paths"],
                                  len(per_layer),
-                                 seen["l1_coeff"], seen["dead"], seen["variant"], times[v.name],
-                                 times[baseline] / times[v.name]))
+                                 seen["l1_coeff"], seen["dead"], seen["variant"], ms,
+                                 turns[baseline][0] / ms, peak, reserved))
         log(format_turn(rows[-len(variants):]))
         bar(last - first)
         if on_rows is not None:
@@ -383,8 +402,9 @@ def format_turn(rows: list[TrainRow]) -> str:
         coeff = "" if math.isnan(r.l1_coeff) else f", l1 {r.l1_coeff:.3g}"
         dead = "" if math.isnan(r.dead_neurons) else f", dead {r.dead_neurons:.1%}"
         dead += "" if r.graph_variant == "-" else f", variant {r.graph_variant}"
+        memory = "" if math.isnan(r.reserved_gib) else f", {r.peak_gib:.1f} GiB peak, {r.reserved_gib:.1f} reserved"
         lines.append(f"  {r.variant:<15} loss {r.train_loss:.4f}  val {r.val_loss:.4f}  density {r.density:.3%}{sparse}{coeff}{dead}"
-                     f"  {r.step_ms:7.1f} ms/step ({r.ratio:.2f}x)")
+                     f"  {r.step_ms:7.1f} ms/step ({r.ratio:.2f}x){memory}")
     return "\n".join(lines)
 
 

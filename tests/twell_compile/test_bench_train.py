@@ -27,6 +27,7 @@ def test_bench_train_writes_a_row_per_variant_and_turn_and_a_plot(tmp_path, caps
     for r in rows:
         assert float(r["train_loss"]) > 0 and float(r["val_loss"]) > 0 and float(r["step_ms"]) > 0
         assert 0 < float(r["density"]) <= 1 and len(r["density_per_layer"].split(";")) == 2
+        assert r["peak_gib"] == r["reserved_gib"] == "nan"  # CPU: no CUDA memory to report
     twell = [r for r in rows if r["variant"] in ("twell", "twell-fixed", "silu-relu-gate")]
     for r in twell:
         assert float(r["l1_coeff"]) > 0 and 0 <= float(r["dead_neurons"]) <= 1
@@ -110,3 +111,12 @@ def test_the_replay_line_says_why_calls_ran_eagerly():
         "training forwards from graphs 88",
     ]
     assert bench_train.outcome_parts({}) == []
+
+
+def test_a_turn_line_gives_the_memory_when_it_was_measured():
+    row = dict(step=50, variant="twell", train_loss=1.0, val_loss=1.1, density=0.005, density_per_layer="0.005",
+               sparse_layers=1, paths="S", layers=1, l1_coeff=1e-3, dead_neurons=0.0, graph_variant="twell",
+               step_ms=30.0, ratio=1.1)
+    assert "GiB" not in bench_train.format_turn([bench_train.TrainRow(**row)])
+    line = bench_train.format_turn([bench_train.TrainRow(**row, peak_gib=12.34, reserved_gib=20.0)])
+    assert line.endswith("30.0 ms/step (1.10x), 12.3 GiB peak, 20.0 reserved"), line
