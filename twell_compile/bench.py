@@ -182,7 +182,9 @@ def _training_step(d: int, h: int, route: str, *, m: int = 512, dtype=torch.bflo
     dout = torch.randn(x.shape, generator=gen).to(device=device, dtype=dtype)
     coeff = torch.tensor(2e-5, device=device)
     factor = torch.ones_like(coeff)
-    ids = [10_000 + i for i in range(HOST_LAYERS)]
+    # Layer ids of the route's own: another step's weights under the same ids would read as weights
+    # that moved, whose graphs then copy them in (``call_replay``), as autocast's copies do.
+    ids = [10_000 + 10 * HOST_ROUTES.index(route) + i for i in range(HOST_LAYERS)]
     flat = [w for ws in weights for w in ws]
 
     def compiled() -> torch.Tensor:
