@@ -120,6 +120,16 @@ def unpack_ref(packed: TwellPacked, hidden: int) -> Tensor:
     return dense
 
 
+def fired_neurons(packed: TwellPacked, hidden: int, layout: TwellLayout = DEFAULT_LAYOUT) -> Tensor:
+    """bool ``[hidden]``: the neurons ``packed`` stores an entry of. An overflowed tile row stores
+    only its first entries, so every neuron of a tile that overflowed in some row counts as fired:
+    a dead neuron is never overcounted. (``fired_neurons.stamp_fired`` stamps these on the device.)"""
+    cols = torch.where(packed.stored_mask(), packed.idx.long(), hidden).reshape(-1)
+    fired = torch.zeros(hidden + 1, dtype=torch.bool, device=cols.device).scatter_(0, cols, True)[:hidden]
+    overflowed = (packed.count > layout.slots).any(dim=0)  # [n_tiles]
+    return fired | overflowed.repeat_interleave(layout.tile_n)[:hidden]
+
+
 def gate_pack_ref(x: Tensor, w: Tensor, b: Optional[Tensor] = None, layout: TwellLayout = DEFAULT_LAYOUT) -> TwellPacked:
     """``pack(x wᵀ + b)``: what the gate GEMM with the TwELL epilogue produces.
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from twell_compile.kernels import DEFAULT_LAYOUT, TwellPacked, reference
+from twell_compile.kernels import TwellPacked, reference
 
 from . import call_replay, cuda_graphs, dispatch_policy, telemetry
 from .capture import prepare_capture
@@ -107,13 +107,10 @@ def _record_fired(layer: int, res, saved, sparse: bool, tokens: int, hidden: int
     """The neurons that fired in a sampled training call: from the TwELL slots on the sparse path,
     from ``relu(gate)`` (the first activation the dense path keeps) on the dense one."""
     if sparse:
-        fired = telemetry.fired_from_packed(res.packed.idx, res.packed.count, DEFAULT_LAYOUT.slots, DEFAULT_LAYOUT.tile_n,
-                                            hidden)
+        telemetry.record_fired_packed(layer, res.packed, hidden, tokens)
     elif saved is not None:
-        fired = (saved[0] > 0).any(dim=0)
-    else:
-        return  # a layer compiled for CUDA graphs keeps no activations: not sampled on the dense path
-    telemetry.record_fired(layer, fired, tokens)
+        telemetry.record_fired(layer, (saved[0] > 0).any(dim=0), tokens)
+    # else a layer compiled for CUDA graphs keeps no activations: not sampled on the dense path
 
 
 def backward(dout2d, x2d, wg, wu, wd, bg, bu, bd, packed: TwellPacked, up_val, l1_scale, *,

@@ -50,8 +50,7 @@ def forward(x2d: Tensor, wg, wu, wd, bg, bu, bd, *, layer: int, training: bool) 
     res, sparse = reference.ffn_forward_ref(x2d, wg, wu, wd, bg, bu, bd), True
     if training:
         hidden = wu.shape[0]
-        telemetry.record_fired(layer, telemetry.fired_from_packed(res.packed.idx, res.packed.count, DEFAULT_LAYOUT.slots,
-                                                                  DEFAULT_LAYOUT.tile_n, hidden), x2d.shape[0])
+        telemetry.record_fired_packed(layer, res.packed, hidden, x2d.shape[0])
     telemetry.record(
         layer,
         tokens=x2d.shape[0],

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from twell_compile.kernels import CallRecord
+from twell_compile.kernels import CallRecord, TwellPacked, reference, stamp_fired
 
 # Buffer layout, one float64 per field. The first five are a kernel's call record
 # (the kernels' ``CallRecord``: calls, tokens, active, dense rows, flag = sparse).
@@ -119,16 +119,16 @@ def record_fired(layer: int, fired: torch.Tensor, tokens: int) -> None:
     torch.where(fired, seen, last, out=last)
 
 
-def fired_from_packed(idx: torch.Tensor, count: torch.Tensor, slots: int, tile_n: int, hidden: int) -> torch.Tensor:
-    """bool ``[H]``: the neurons a TwELL buffer stores an entry of. An overflowed tile row stores
-    only its first entries, so every neuron of a tile that overflowed in some row counts as fired:
-    dead neurons are never overcounted."""
-    slot = torch.arange(slots, device=idx.device)
-    stored = slot < count.clamp(max=slots).unsqueeze(-1)
-    cols = torch.where(stored, idx.long(), hidden).reshape(-1)
-    fired = torch.zeros(hidden + 1, dtype=torch.bool, device=idx.device).scatter_(0, cols, True)[:hidden]
-    overflowed = (count > slots).any(dim=0)  # [n_tiles]
-    return fired | overflowed.repeat_interleave(tile_n)[:hidden]
+def record_fired_packed(layer: int, packed: TwellPacked, hidden: int, tokens: int) -> None:
+    """``record_fired`` for the neurons a sampled call's TwELL buffer holds
+    (``reference.fired_neurons``): on CUDA one kernel stamps them (``stamp_fired``), after a
+    device add to the tokens sampled; no host sync."""
+    if not packed.count.is_cuda:
+        record_fired(layer, reference.fired_neurons(packed, hidden), tokens)
+        return
+    last, seen = fired_state(layer, packed.count.device, hidden)
+    seen.add_(float(tokens))
+    stamp_fired(packed, last, seen.view(1))
 
 
 def dead_share(layer: int) -> Optional[float]:

@@ -37,6 +37,7 @@ from twell_compile.kernels.dense_act import ROWS_PER_PROGRAM  # noqa: E402
 from twell_compile.kernels.dense_rows import BR, scratch_tiles  # noqa: E402
 from twell_compile.kernels.dense_rows_bwd import DENSE_WGRAD_TILES  # noqa: E402
 from twell_compile.kernels.dense_rows_fwd import DENSE_TILES  # noqa: E402
+from twell_compile.kernels.fired_neurons import STAMP_ROWS  # noqa: E402
 from twell_compile.kernels.gate_pack import GROUP_M  # noqa: E402
 from twell_compile.kernels.neuron_major import ORDER_BLOCK, RANK_TB  # noqa: E402
 from twell_compile.kernels.pair_walk import overflow_threshold  # noqa: E402
@@ -48,7 +49,7 @@ from twell_compile.kernels.wgrad import HOT_SEGMENTS  # noqa: E402
 # Every Triton kernel by its label: each kernel module lists its own in ``KERNELS``. (Imported as
 # modules by name: the package's ``gate_pack`` and ``sparse_ffn`` are the functions.)
 KERNEL_MODULES = ("gate_pack", "sparse_ffn", "dense_rows_fwd", "dense_rows", "row_lists", "dense_act", "weights",
-                  "floors", "neuron_major", "tokens_bwd", "dense_rows_bwd", "wgrad")
+                  "floors", "neuron_major", "tokens_bwd", "dense_rows_bwd", "wgrad", "fired_neurons")
 KERNELS = {name: kernel for module in KERNEL_MODULES
            for name, kernel in importlib.import_module(f"twell_compile.kernels.{module}").KERNELS.items()}
 
@@ -233,6 +234,11 @@ def variants(arch: str, full: bool):
         # twell bench --floors' bare gather (no wrapper: one config).
         yield f"gather_floor {TY[dtype]}", (lambda dtype=dtype: compile_kernel(
             KERNELS["gather_floor"], target, dtype, dict(BLOCK_D=D), {"row_ptr": "*i64", "cols_ptr": "*i32"}))
+
+        # Telemetry: a sampled training call's fired neurons (float64 stamps, whatever the FFN's dtype).
+        yield "stamp_fired", (lambda dtype=dtype: compile_kernel(
+            KERNELS["stamp_fired"], target, dtype, dict(SLOTS=SLOTS, SLOTS_P2=SLOTS, TILE_N=TILE_N, TB=STAMP_ROWS),
+            {"stamps_ptr": "*fp64", "now_ptr": "*fp64"}))
 
         # Backward.
         for place in (False, True):

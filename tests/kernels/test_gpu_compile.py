@@ -37,7 +37,8 @@ def test_every_kernel_compiles_for_sm90_with_every_autotune_config():
     kernels = {line.split()[2] for line in lines}
     assert kernels == {"gate_pack", "sparse_ffn", "dense_hidden", "dense_rows", "split_product", "rank",
                        "tokens_dh", "tokens_dx", "dense_coef_dx", "dense_wgrad", "wgrad", "dense_list", "flag_rows", "dense_act",
-                       "dense_act_backward", "transpose", "weight_facts", "order", "gather_floor"}
+                       "dense_act_backward", "transpose", "weight_facts", "order", "gather_floor",
+                       "stamp_fired"}
     sixteen_bit_gemms = [line for line in _compiled(lines, "gate_pack") if " fp32 " not in line]
     assert sixteen_bit_gemms and all("wgmma=True" in line for line in sixteen_bit_gemms), sixteen_bit_gemms
     assert any("tma=True" in line and "PERSISTENT=True" in line for line in sixteen_bit_gemms)
@@ -52,6 +53,6 @@ def test_every_kernel_compiles_for_sm90_with_every_autotune_config():
 
 def test_every_kernel_compiles_for_sm80():
     lines = _compile_all("--arch", "sm80", "--first-config-only")
-    assert len({line.split()[2] for line in lines}) == 19
+    assert len({line.split()[2] for line in lines}) == 20
     gemms = _compiled(lines, "gate_pack")
     assert gemms and all("tma=False" in line and "wgmma=False" in line for line in gemms), gemms

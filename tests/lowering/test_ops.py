@@ -468,8 +468,8 @@ def test_double_backward_is_refused():
 def test_gpu_sparse_path_counts_every_active_entry_and_dense_row(gated):
     """The CUDA sparse path's counters come from its guard kernel (``flag_rows``): they
     must equal the exact counts of the packed buffer (as packed, before the guard marks its rows
-    overflowed), with no host sync on a later call."""
-    from twell_compile.kernels import DEFAULT_LAYOUT, gate_pack
+    overflowed), with no host sync on a later call; its sampled fired neurons are the buffer's."""
+    from twell_compile.kernels import DEFAULT_LAYOUT, TwellPacked, gate_pack, reference
     from twell_compile.lowering import force_path
 
     cpu = make_args(gated, True, torch.bfloat16, (700,), d=64, h=600, seed=4)
@@ -482,8 +482,14 @@ def test_gpu_sparse_path_counts_every_active_entry_and_dense_row(gated):
     args = (x, wg, wu, wd, bg, bu, bd)
     layer = 912 + gated  # a fresh layer: its first training call measures L1
     with force_path("sparse"):
-        out, _, _, count, _ = ops.ffn_train(*args, torch.tensor(0.1, device="cuda"), torch.tensor(1.0, device="cuda"), layer)
+        coeff, factor = torch.tensor(0.1, device="cuda"), torch.tensor(1.0, device="cuda")
+        out, idx, val, count, _ = ops.ffn_train(*args, coeff, factor, layer)
         torch.cuda.synchronize()
+        # It samples which neurons fired (``stamp_fired``): the stored ones and overflowed tiles.
+        last, seen = telemetry.fired_state(layer, "cuda", 600)
+        fired = reference.fired_neurons(TwellPacked(idx, val, count), 600)
+        assert 0 < int(fired.sum()) < 600 and seen.item() == 700
+        assert torch.equal(last, torch.where(fired, 700.0, 0.0).double())
         snap = telemetry.snapshot()[layer]
         dense = (count > DEFAULT_LAYOUT.slots).any(-1)  # overflowed, or marked so by the guard
         assert 0 < int(dense.sum()) < 700
