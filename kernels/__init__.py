@@ -40,7 +40,7 @@ else:
     from . import reference
     from .dense_act import dense_activation, dense_activation_backward
     from .dense_rows import DENSE_ROW_FRACTION_MAX
-    from .fired_neurons import stamp_fired
+    from .fired_neurons import stamp_fired, warm_stamp_fired
     from .floors import active_pairs, gather_floor
     from .format import (DEFAULT_LAYOUT, SLOTS_PER_TILE, TILE_N, TwellLayout, TwellPacked, accumulation_dtype,
                          empty_packed, is_paired)
@@ -67,7 +67,7 @@ else:
         # dense rows: flags, lists, the call record
         "flag_rows", "dense_list", "RowList", "CallRecord", "DENSE_ROW_FRACTION_MAX",
         # telemetry: the neurons a sampled call fired
-        "stamp_fired",
+        "stamp_fired", "warm_stamp_fired",
         # the bench's floors and the autotuner's choices
         "tuned_configs", "first_launches", "gather_floor", "active_pairs",
     ]

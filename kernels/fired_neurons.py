@@ -29,7 +29,13 @@ from .launch import cdiv, launch, next_power_of_2
 STAMP_ROWS = 64
 
 
-@triton.jit
+# Every argument unspecialized (no divisibility, alignment or ==1 variants): one binary serves every
+# call, so ``warm_stamp_fired`` compiles it before any CUDA-graph capture could have to.
+_INTS = ("M", "N_TILES", "H", "stride_im", "stride_it", "stride_is", "stride_cm", "stride_ct")
+_POINTERS = ("idx_ptr", "count_ptr", "stamps_ptr", "now_ptr")
+
+
+@triton.jit(do_not_specialize=_INTS, do_not_specialize_on_alignment=_POINTERS)
 def _stamp_fired_kernel(idx_ptr, count_ptr, stamps_ptr, now_ptr, M, N_TILES, H,
                         stride_im, stride_it, stride_is, stride_cm, stride_ct,
                         SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, TILE_N: tl.constexpr, TB: tl.constexpr):
@@ -74,6 +80,25 @@ def stamp_fired(packed: TwellPacked, stamps: torch.Tensor, now: torch.Tensor, *,
     launch(_stamp_fired_kernel, (cdiv(m, STAMP_ROWS), n_tiles), idx, count, stamps, now, m, n_tiles, hidden,
            *idx.stride(), *count.stride(), SLOTS=layout.slots, SLOTS_P2=next_power_of_2(layout.slots),
            TILE_N=layout.tile_n, TB=STAMP_ROWS, num_warps=4)
+
+
+_warm_devices: set = set()
+
+
+def warm_stamp_fired(device, *, layout: TwellLayout = DEFAULT_LAYOUT) -> None:
+    """Compile and load ``stamp_fired``'s binary on ``device`` now, by a launch on a one-row buffer
+    (once per device and layout): a sampled call inside a CUDA-graph capture then finds it ready,
+    as a capture cannot compile or load a kernel."""
+    device = torch.device(device)
+    key = (device, layout)
+    if key in _warm_devices:
+        return
+    packed = TwellPacked(idx=torch.zeros(1, 1, layout.slots, dtype=torch.int32, device=device),
+                         val=torch.zeros(1, 1, layout.slots, dtype=torch.float32, device=device),
+                         count=torch.zeros(1, 1, dtype=torch.int32, device=device))
+    stamp_fired(packed, torch.zeros(layout.tile_n, dtype=torch.float64, device=device),
+                torch.zeros(1, dtype=torch.float64, device=device), layout=layout)
+    _warm_devices.add(key)
 
 
 KERNELS = {"stamp_fired": _stamp_fired_kernel}

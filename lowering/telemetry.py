@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from twell_compile.kernels import CallRecord, TwellPacked, reference, stamp_fired
+from twell_compile.kernels import CallRecord, TwellPacked, reference, stamp_fired, warm_stamp_fired
 
 # Buffer layout, one float64 per field. The first five are a kernel's call record
 # (the kernels' ``CallRecord``: calls, tokens, active, dense rows, flag = sparse).
@@ -108,6 +108,8 @@ def fired_state(layer: int, device, hidden: int) -> tuple[torch.Tensor, torch.Te
         with _lock, torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.inference_mode(False):
             state = _fired[key] = (torch.zeros(hidden, dtype=torch.float64, device=device),
                                    torch.zeros((), dtype=torch.float64, device=device))
+            if state[0].is_cuda and not torch.cuda.is_current_stream_capturing():
+                warm_stamp_fired(device)  # the sampled calls' kernel, compiled before any capture records one
     return state
 
 

@@ -91,8 +91,9 @@ def _name(config) -> str:
 
 
 def compile_kernel(kernel, target, dtype, consts: dict, types: dict | None = None, config=None, *, num_warps=4,
-                   num_stages=None):
-    """Compile one variant; returns the CompiledKernel. ``types`` overrides argument types by name."""
+                   num_stages=None, hints: bool = True):
+    """Compile one variant; returns the CompiledKernel. ``types`` overrides argument types by name;
+    ``hints=False`` for a kernel that specializes none of its arguments (no divisibility hints)."""
     fn = _jit_fn(kernel)
     consts = dict(consts)
     opts = {"num_warps": num_warps}
@@ -121,7 +122,7 @@ def compile_kernel(kernel, target, dtype, consts: dict, types: dict | None = Non
     # The launcher's JIT marks pointers and integers divisible by 16 (torch's allocations, the
     # benchmark shape's sizes and strides); without the hint loads compile unvectorised.
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
-               if t.startswith("*") or (t == "i32" and (n.startswith("stride") or n in _SIXTEEN_SIZES))}
+               if hints and (t.startswith("*") or (t == "i32" and (n.startswith("stride") or n in _SIXTEEN_SIZES)))}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=aligned)
     return triton.compile(src, target=target, options=opts)
@@ -238,7 +239,7 @@ def variants(arch: str, full: bool):
         # Telemetry: a sampled training call's fired neurons (float64 stamps, whatever the FFN's dtype).
         yield "stamp_fired", (lambda dtype=dtype: compile_kernel(
             KERNELS["stamp_fired"], target, dtype, dict(SLOTS=SLOTS, SLOTS_P2=SLOTS, TILE_N=TILE_N, TB=STAMP_ROWS),
-            {"stamps_ptr": "*fp64", "now_ptr": "*fp64"}))
+            {"stamps_ptr": "*fp64", "now_ptr": "*fp64"}, hints=False))
 
         # Backward.
         for place in (False, True):

@@ -106,3 +106,26 @@ def test_gpu_stamp_fired_at_a_model_shape(paired):
     stamp_fired(packed, stamps, torch.full((1,), 3.0, dtype=torch.float64, device=DEV), layout=layout)
     assert torch.equal(stamps.cpu(), torch.where(want, 3.0, 0.0).double())
     assert torch.equal(R.fired_neurons(packed, 2048, layout).cpu(), want)
+
+
+@pytest.mark.gpu
+def test_gpu_stamp_fired_is_one_binary_warmed_before_a_capture_records_it():
+    """``warm_stamp_fired`` compiles the only binary: a call of another shape compiles nothing, so
+    one inside a CUDA-graph capture records the kernel, and the replay stamps."""
+    from twell_compile.kernels.fired_neurons import _stamp_fired_kernel, warm_stamp_fired
+
+    warm_stamp_fired(DEV)
+    binaries = _stamp_fired_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(binaries)
+    layout = TwellLayout()
+    pre = torch.where(torch.rand(333, 1000, generator=torch.Generator().manual_seed(1)) < 0.01, 1.0, -1.0)
+    packed = _buffer(pre, layout, False, torch.Generator().manual_seed(2))
+    stamps = torch.zeros(1000, dtype=torch.float64, device=DEV)
+    now = torch.full((1,), 5.0, dtype=torch.float64, device=DEV)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stamp_fired(packed, stamps, now, layout=layout)
+    assert len(binaries) == compiled, "no new specialization"
+    assert not stamps.any(), "captured, not run"
+    graph.replay()
+    assert torch.equal(stamps.cpu(), torch.where(_fired_oracle(pre, layout), 5.0, 0.0).double())
