@@ -75,7 +75,7 @@ ENABLED = _setting == "1"
 # Above this many tokens × D × H a call's GPU work hides its host time, and the input copies would
 # only add GPU time (a sparse inference call of 8192 tokens at D=2048, H=5632 takes ~0.65 ms of
 # GPU time). It is the eager sparse limit, ``dispatch_policy.SPARSE_MIN_TOKENS`` (12288) tokens, at
-# that shape, so that no call there falls between the two limits and stays dense: 94k tokens at
+# that shape, so that no call there falls between the two limits and stays dense: 90k tokens at
 # D=768, H=2048.
 REPLAY_MAX_WORK = 12288 * 2048 * 5632
 GRAPHS_PER_KEY = 2
