@@ -16,6 +16,25 @@ def check_ffn_args(x: Tensor, wg: Optional[Tensor], wu: Tensor, wd: Tensor, bg: 
     Shapes follow ``nn.Linear``: ``x [..., D]``, ``wg``/``wu`` ``[H, D]``, ``wd`` ``[D, H]``,
     ``bg``/``bu`` ``[H]``, ``bd`` ``[D]``.
     """
+    # Every call checks; valid arguments pass in one run of comparisons (host time), and anything
+    # else goes through the checks that name the argument at fault.
+    dtype, device = x.dtype, x.device
+    if dtype in SUPPORTED_DTYPES and x.dim() >= 1 and wu.dim() == 2 and (bg is None or wg is not None):
+        hidden, d_model = wu.shape
+        if (x.shape[-1] == d_model and wu.dtype == dtype and wu.device == device
+                and _fits(wd, (d_model, hidden), dtype, device) and _fits(wg, (hidden, d_model), dtype, device)
+                and _fits(bg, (hidden,), dtype, device) and _fits(bu, (hidden,), dtype, device)
+                and _fits(bd, (d_model,), dtype, device)):
+            return
+    _name_the_fault(x, wg, wu, wd, bg, bu, bd)
+
+
+def _fits(t: Optional[Tensor], shape: tuple, dtype: torch.dtype, device: torch.device) -> bool:
+    return t is None or (t.shape == shape and t.dtype == dtype and t.device == device)
+
+
+def _name_the_fault(x, wg, wu, wd, bg, bu, bd) -> None:
+    """``check_ffn_args``' checks one by one, raising for the first argument at fault."""
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"twell: x has dtype {x.dtype}; supported: float16, bfloat16, float32 (float64 on CPU)")
     if x.dim() < 1:

@@ -23,10 +23,17 @@ _CALLS, _TOKENS, _ACTIVE, _DENSE_ROWS, _SPARSE, _L1 = range(len(FIELDS))
 _lock = threading.Lock()
 # (layer, device) -> (buffer, the record's int64 [3] scratch: zero between kernel launches)
 _buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+# The same states by (layer, device as the caller names it), and each call record by (layer,
+# device, sparse): found per call without making a device name or a view (host time).
+_by_caller: dict = {}
+_records: dict = {}
 
 
-def _state(layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (layer, str(device))
+def _state(layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    state = _by_caller.get((layer, device))
+    if state is not None:
+        return state
+    key = (layer, str(torch.device(device)))
     state = _buffers.get(key)
     if state is None:
         with _lock:
@@ -37,12 +44,13 @@ def _state(layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
                 fresh[_L1] = float("nan")  # no training call yet
                 scratch = torch.zeros(3, dtype=torch.int64, device=device)
             state = _buffers.setdefault(key, (fresh, scratch))
+    _by_caller[(layer, device)] = state
     return state
 
 
 def buffer(layer: int, device) -> torch.Tensor:
     """The layer's float64 buffer, one value per ``FIELDS`` entry (written on the device)."""
-    return _state(layer, torch.device(device))[0]
+    return _state(layer, device)[0]
 
 
 def ensure(layer: int, device, hidden: Optional[int] = None) -> None:
@@ -82,8 +90,11 @@ def call_record(layer: int, device, sparse: bool):
     """Where the CUDA ops' counting kernel (``dense_list`` after the pair loop on the sparse path,
     ``dense_activation`` on the dense one) stores this call's calls, tokens, active entries, dense rows and path, in
     the launch it makes anyway: no tensor op of its own."""
-    buf, scratch = _state(layer, torch.device(device))
-    return CallRecord(buf[_CALLS:_SPARSE + 1], scratch, 1.0 if sparse else 0.0)
+    found = _records.get((layer, device, sparse))
+    if found is None:
+        buf, scratch = _state(layer, device)
+        found = _records[(layer, device, sparse)] = CallRecord(buf[_CALLS:_SPARSE + 1], scratch, 1.0 if sparse else 0.0)
+    return found
 
 
 def record_l1(layer: int, l1: torch.Tensor) -> None:
@@ -161,4 +172,6 @@ def snapshot() -> dict[int, dict[str, float]]:
 def reset() -> None:
     with _lock:
         _buffers.clear()
+        _by_caller.clear()
+        _records.clear()
         _fired.clear()

@@ -526,6 +526,24 @@ def test_call_record_is_the_telemetry_fields_a_kernel_stores():
     assert snap == {"calls": 2.0, "tokens": 60.0, "active": 7.0, "dense_rows": 1.0, "l1": 0.25, "sparse": 0.0}
 
 
+def test_call_records_are_kept_per_layer_device_and_path_until_reset():
+    """A call finds its record without making a view (host time); one first made under
+    ``torch.inference_mode`` (a view of a normal buffer) is written in place outside it; ``reset``
+    starts from new buffers."""
+    from twell_compile.kernels.tickets import record_without_kernel
+
+    with torch.inference_mode():
+        first = telemetry.call_record(22, torch.device("cpu"), sparse=True)
+    assert telemetry.call_record(22, torch.device("cpu"), sparse=True) is first
+    assert telemetry.call_record(22, torch.device("cpu"), sparse=False) is not first
+    record_without_kernel(first, 9)  # in place, outside inference mode
+    assert telemetry.snapshot()[22]["tokens"] == 9.0
+    assert telemetry.buffer(22, "cpu") is telemetry.buffer(22, torch.device("cpu"))
+    telemetry.reset()
+    again = telemetry.call_record(22, torch.device("cpu"), sparse=True)
+    assert again is not first and telemetry.snapshot()[22]["tokens"] == 0.0
+
+
 def _first_call_under_inference_mode_then_outside(device: str, layer: int):
     """A layer first called under ``torch.inference_mode()`` (an eval loop) keeps working outside it
     (the next eval without it, a training step) and under it again, with equal outputs: the
