@@ -93,11 +93,13 @@ def warm_stamp_fired(device, *, layout: TwellLayout = DEFAULT_LAYOUT) -> None:
     key = (device, layout)
     if key in _warm_devices:
         return
-    packed = TwellPacked(idx=torch.zeros(1, 1, layout.slots, dtype=torch.int32, device=device),
-                         val=torch.zeros(1, 1, layout.slots, dtype=torch.float32, device=device),
-                         count=torch.zeros(1, 1, dtype=torch.int32, device=device))
-    stamp_fired(packed, torch.zeros(layout.tile_n, dtype=torch.float64, device=device),
-                torch.zeros(1, dtype=torch.float64, device=device), layout=layout)
+    # Launches go to the current device: at rewrite time that need not be the layer's.
+    with torch.cuda.device(device):
+        packed = TwellPacked(idx=torch.zeros(1, 1, layout.slots, dtype=torch.int32, device=device),
+                             val=torch.zeros(1, 1, layout.slots, dtype=torch.float32, device=device),
+                             count=torch.zeros(1, 1, dtype=torch.int32, device=device))
+        stamp_fired(packed, torch.zeros(layout.tile_n, dtype=torch.float64, device=device),
+                    torch.zeros(1, dtype=torch.float64, device=device), layout=layout)
     _warm_devices.add(key)
 
 
