@@ -244,9 +244,10 @@ def test_host_line_names_the_cpu_and_says_when_the_step_was_not_measured(monkeyp
         "a dense inference call 0.080 ms (target 0.1: met)")
 
 
-def test_host_line_says_when_its_calls_ran_eagerly_instead_of_replayed(monkeypatch):
+def test_host_line_says_which_reading_had_calls_run_eagerly_instead_of_replayed(monkeypatch):
     """After a training run that spent the replayed graphs' memory share, the forced calls run
-    eagerly: the line says so, rather than reporting eager host time as a replayed call's."""
+    eagerly: each reading says how many of its calls did, rather than reporting eager host time as
+    a replayed call's."""
     from twell_compile.lowering import call_replay
 
     monkeypatch.setattr(call_replay, "OUTCOMES", type(call_replay.OUTCOMES)({"forward replayed": 7}))
@@ -256,16 +257,23 @@ def test_host_line_says_when_its_calls_ran_eagerly_instead_of_replayed(monkeypat
         return 1.0
 
     monkeypatch.setattr(bench, "host_ms", eager)
+    note = "1.000 ms [20 of its 20 forward calls ran eagerly: memory share spent 20]"
     assert bench.host_line(64, 128).endswith(
-        "; none of these calls was replayed, so they ran eagerly (memory share spent 80)")
+        f"a sparse inference call {note} (target 0.15: 6.7x over), a sparse training step per layer {note} "
+        f"(target 0.5: 2.0x over; {note} through eager autograd), a dense inference call {note} (target 0.1: 10.0x over)")
 
     def replayed(d, h, *, train, path, route="compiled"):
         call_replay.OUTCOMES["forward replayed"] += 20
-        call_replay.OUTCOMES["forward eager: first call of its key"] += 1
+        call_replay.OUTCOMES["forward eager: first call of its key"] += 1  # a reading's warm-up
+        # Only a training route lets some calls run eagerly: the note is that reading's alone.
+        call_replay.OUTCOMES["forward eager: memory share spent"] += 5 if route == "autograd" else 0
         return 0.1
 
     monkeypatch.setattr(bench, "host_ms", replayed)
-    assert bench.host_line(64, 128).endswith("(target 0.1: met)")
+    line = bench.host_line(64, 128)
+    assert line.count("ran eagerly") == 1, line
+    assert "0.100 ms [5 of its 25 forward calls ran eagerly: memory share spent 5] through eager autograd" in line
+    assert line.endswith("a dense inference call 0.100 ms (target 0.1: met)")
 
 
 def test_tuned_txt_lists_the_autotuners_choices(monkeypatch, tmp_path):
