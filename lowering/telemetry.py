@@ -29,11 +29,20 @@ _by_caller: dict = {}
 _records: dict = {}
 
 
+def device_key(device) -> str:
+    """``device``'s name with its index: "cuda" names the current CUDA device, so that a state asked
+    for by "cuda" is the one the ops find by their tensors' "cuda:0"."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
 def _state(layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     state = _by_caller.get((layer, device))
     if state is not None:
         return state
-    key = (layer, str(torch.device(device)))
+    key = (layer, device_key(device))
     state = _buffers.get(key)
     if state is None:
         with _lock:
@@ -113,7 +122,7 @@ _fired: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 def fired_state(layer: int, device, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's dead-neuron state (float64 ``[H]`` last firing, float64 0-d tokens sampled),
     made now, for compiled code that updates it itself."""
-    key = (layer, str(torch.device(device)))
+    key = (layer, device_key(device))
     state = _fired.get(key)
     if state is None or state[0].numel() != hidden:
         with _lock, torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.inference_mode(False):

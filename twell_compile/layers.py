@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import loss_scaling
+from .lowering import telemetry
 
 
 @dataclass(eq=False)
@@ -44,7 +45,7 @@ class Layer:
         """The layer's live L1 coefficient on ``device`` (every graph and patch of it shares it)."""
         from .l1 import coefficient_tensor
 
-        key = str(torch.device(device))
+        key = telemetry.device_key(device)
         t = self.coefficients.get(key)
         if t is None:
             t = self.coefficients[key] = coefficient_tensor(self.l1_option, device)
@@ -123,7 +124,7 @@ def register(module: Optional[nn.Module], identity: Hashable, name: str, device:
 def factor(model: Model, device: torch.device | str) -> torch.Tensor:
     """The model's live L1 factor on ``device`` (``S / n``), made at rewrite time: a real tensor
     even under a fake mode, and a normal one even under ``torch.inference_mode()``."""
-    key = str(torch.device(device))
+    key = telemetry.device_key(device)
     with _lock:
         t = model.factors.get(key)
         if t is None:

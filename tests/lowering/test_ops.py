@@ -464,6 +464,15 @@ def test_double_backward_is_refused():
 
 
 @pytest.mark.gpu
+def test_gpu_device_without_index_names_the_states_the_ops_write():
+    """"cuda" and "cuda:0" are one device: a caller that names it without an index reads the
+    counters and dead-neuron state that the ops, keyed by their tensors' devices, write."""
+    index = torch.cuda.current_device()
+    assert telemetry.buffer(5, "cuda") is telemetry.buffer(5, torch.device("cuda", index))
+    assert telemetry.fired_state(5, "cuda", 64)[0] is telemetry.fired_state(5, f"cuda:{index}", 64)[0]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 def test_gpu_sparse_path_counts_every_active_entry_and_dense_row(gated):
     """The CUDA sparse path's counters come from its guard kernel (``flag_rows``): they
