@@ -16,7 +16,8 @@ that a model compiled per decoder layer is measured as a whole). Once at least h
 model's layers prefer the sparse path (their measured density and dense rows,
 ``lowering.prefers_sparse``), it *measures*: each variant runs for a few steps, and the one with
 the shorter step (the period between calls of the model's first graph: the step time the user
-sees, host time and all) is kept. It measures again later, less often each time the dense variant
+sees, host time and all; periods over twice the window's median, where the user evaluated or
+saved between two steps, left out) is kept. It measures again later, less often each time the dense variant
 wins, as the model keeps getting sparser; and goes back to dense if the layers densify.
 
 Under CUDA graphs (``mode="reduce-overhead"``) each variant is its own compiled function with its
@@ -27,6 +28,7 @@ recording of each variant and the memory of both (docs/usage.md, "CUDA graphs").
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
 from typing import Callable, Optional
@@ -44,6 +46,10 @@ from . import lowering
 MEASURE_STEPS = 8
 WARMUP_STEPS = 3
 MEASURE_RETRIES = 3
+# A measured period over this many times the window's median held work between steps (an
+# evaluation, a checkpoint): left out. A variant's own recurring cost stays in (the TwELL ops'
+# L1 measurement every 8th call costs a 768-wide model's step ~1.3x; docs/design-notes.md).
+OUTLIER_PERIOD = 2.0
 # Steps between measurements while the dense variant wins: doubles after each win, up to the cap.
 REMEASURE_STEPS = 200
 REMEASURE_STEPS_MAX = 3200
@@ -54,6 +60,13 @@ DENSE_SHARE = 1 / 4
 # How often (steps) the dense variant's counters are copied to the host for the layers' policies.
 WATCH_EVERY = 4
 VARIANTS = ("dense", "twell")
+
+
+def step_period(gaps: list[float]) -> float:
+    """The mean of a window's step periods, less those over ``OUTLIER_PERIOD`` times its median."""
+    limit = OUTLIER_PERIOD * statistics.median(gaps)
+    kept = [g for g in gaps if g <= limit]
+    return sum(kept) / len(kept)
 
 
 class ModelVariants:
@@ -95,7 +108,7 @@ class ModelVariants:
             self._measure(now)
         elif self.steps >= self.next_check:
             if self.current == "dense" and self._share_sparse() >= SPARSE_SHARE:
-                self.trial = {"order": ["twell", "dense"], "periods": {}, "calls": 0, "started": None,
+                self.trial = {"order": ["twell", "dense"], "periods": {}, "calls": 0, "last_tick": None, "gaps": [],
                               "launches": 0, "retries": 0}
                 self._use("twell")
             elif self.current == "twell" and self._share_sparse() < DENSE_SHARE:
@@ -118,19 +131,21 @@ class ModelVariants:
     def _measure(self, now: float) -> None:
         trial = self.trial
         trial["calls"] += 1
+        if trial["calls"] > WARMUP_STEPS + 1:
+            trial["gaps"].append(now - trial["last_tick"])
+        if trial["calls"] >= WARMUP_STEPS + 1:
+            trial["last_tick"] = now
         if trial["calls"] == WARMUP_STEPS + 1:
-            trial["started"] = now
-            trial["launches"] = lowering.first_launches()
+            trial["gaps"], trial["launches"] = [], lowering.first_launches()
         if trial["calls"] < WARMUP_STEPS + 1 + MEASURE_STEPS:
             return
         if lowering.first_launches() != trial["launches"] and trial["retries"] < MEASURE_RETRIES:
             trial["retries"] += 1  # a kernel compiled or tuned in these steps: they warmed up, measure again
             trial["calls"] = WARMUP_STEPS + 1
-            trial["started"] = now
-            trial["launches"] = lowering.first_launches()
+            trial["gaps"], trial["launches"] = [], lowering.first_launches()
             return
         variant = trial["order"][len(trial["periods"])]
-        trial["periods"][variant] = (now - trial["started"]) / MEASURE_STEPS
+        trial["periods"][variant] = step_period(trial["gaps"])
         if len(trial["periods"]) < len(VARIANTS):
             trial["calls"], trial["retries"] = 0, 0
             self._use(trial["order"][len(trial["periods"])])

@@ -197,3 +197,36 @@ def test_steps_that_compile_or_tune_kernels_are_measured_again(monkeypatch):
         graph()
     assert coordinator.trial is not None and list(coordinator.trial["periods"]) == ["twell"]
     assert coordinator.trial["retries"] == 0 and coordinator.current == "dense"  # now measuring the dense variant
+
+
+def test_work_between_two_measured_steps_is_left_out_and_a_variants_own_cost_kept(monkeypatch):
+    """An evaluation between two steps of a measurement (one period ~50x a step) must not decide
+    the variant; a recurring cost of the variant itself (one step in 8 ~1.3x) stays in its period."""
+    from twell_compile.variants import GraphVariants, ModelVariants
+
+    monkeypatch.setattr(variants, "WARMUP_STEPS", 2)
+    monkeypatch.setattr(variants, "MEASURE_STEPS", 8)
+    monkeypatch.setattr(twell_compile.lowering, "prefers_sparse", lambda *a: True)
+    clock = {"now": 0.0, "twell_calls": 0}
+    monkeypatch.setattr(variants.time, "perf_counter", lambda: clock["now"])
+
+    def twell_step():  # 8 ms a step, every 8th 10.4 ms (its L1 measurement), one evaluation after the 6th
+        clock["twell_calls"] += 1
+        clock["now"] += 0.0104 if clock["twell_calls"] % 8 == 0 else 0.008
+        if clock["twell_calls"] == 6:
+            clock["now"] += 0.4
+        return "twell"
+
+    def dense_step():
+        clock["now"] += 0.010
+        return "dense"
+
+    coordinator = ModelVariants(torch.device("cpu"), True, False)
+    graph = GraphVariants(dense_step, twell_step, {1: 8}, coordinator)
+    for _ in range(2 * (1 + variants.WARMUP_STEPS + variants.MEASURE_STEPS) + 1):
+        graph()
+    assert coordinator.trial is None and coordinator.current == "twell"
+    assert coordinator.periods["dense"] == pytest.approx(10.0)
+    assert coordinator.periods["twell"] == pytest.approx((6 * 8.0 + 10.4) / 7)  # the evaluation's period left out
+    assert variants.step_period([1.0, 1.0, 1.0, 1.3]) == pytest.approx(1.075)
+    assert variants.step_period([1.0, 1.0, 5.0, 1.0]) == pytest.approx(1.0)
