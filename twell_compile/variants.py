@@ -17,8 +17,9 @@ model's layers prefer the sparse path (their measured density and dense rows,
 ``lowering.prefers_sparse``), it *measures*: each variant runs for a few steps, and the one with
 the shorter step (the period between calls of the model's first graph: the step time the user
 sees, host time and all; periods over twice the window's median, where the user evaluated or
-saved between two steps, left out) is kept. It measures again later, less often each time the dense variant
-wins, as the model keeps getting sparser; and goes back to dense if the layers densify.
+saved between two steps, left out) is kept. It measures again later, less often each time the
+dense variant wins, as the model keeps getting sparser; and goes back to dense if the layers
+densify.
 
 Under CUDA graphs (``mode="reduce-overhead"``) each variant is its own compiled function with its
 own recordings, so a switch records the other variant once (no recompile) and the TwELL variant
