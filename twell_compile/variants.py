@@ -109,8 +109,8 @@ class ModelVariants:
             self._measure(now)
         elif self.steps >= self.next_check:
             if self.current == "dense" and self._share_sparse() >= SPARSE_SHARE:
-                self.trial = {"order": ["twell", "dense"], "periods": {}, "calls": 0, "last_tick": None, "gaps": [],
-                              "launches": 0, "retries": 0}
+                self.trial = {"order": ["twell", "dense"], "periods": {}, "calls": 0, "last_tick": None,
+                              "gaps": [], "launches": 0, "retries": 0}
                 self._use("twell")
             elif self.current == "twell" and self._share_sparse() < DENSE_SHARE:
                 self._use("dense")  # the model densified again
